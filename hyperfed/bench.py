@@ -6,7 +6,8 @@ every 10 rounds. Each execution path runs the same rounds from the same seed:
 
 - ``reference``: per client, an ``nn.Module`` and ``torch.optim.SGD`` (the papers' code);
 - ``loop``: the engine's functional step, client after client;
-- ``vmap``: the engine, all clients of one architecture in one vmapped step.
+- ``vmap``: the engine, all clients of one architecture in one vmapped step;
+- ``graphs`` (GPU): ``vmap`` with each step replayed as one captured CUDA graph.
 
 Hypernetwork generation and update are included in every path. Seconds per round count a
 tenth of an evaluation (eval every 10 rounds). Never a unit test: it prints ratios.
@@ -21,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperfed.config import load_config
+from hyperfed.config import ExperimentConfig, load_config
 from hyperfed.data.federated import FederatedData
+from hyperfed.engine.local import GRAPH_STATS
 from hyperfed.engine.simulate import Simulation, resolve_device
 
 HETERO = ["lenet", "vgg8", "resnet10", "resnet12", "resnet18"]
@@ -71,18 +73,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_mode(
-    mode: str,
+def _bench_config(
     data: FederatedData,
     models: list[str],
     rounds: int,
     algorithm: str,
     device: torch.device,
-    batch_size: int = 64,
-    epochs: int = 2,
-) -> BenchResult:
-    vectorize = {"reference": "reference", "loop": "off", "vmap": "on"}[mode]
-    cfg = load_config(
+    batch_size: int,
+    epochs: int,
+    mode: str,
+) -> ExperimentConfig:
+    vectorize = {"reference": "reference", "loop": "off", "vmap": "on", "graphs": "on"}[mode]
+    return load_config(
         None,
         [
             f"algorithm.name={algorithm}",
@@ -93,9 +95,23 @@ def bench_mode(
             "local.lr=0.01",
             f"local.vectorize={vectorize}",
             f"device={device.type}",
-            f"rounds={rounds + 1}",
+            f"rounds={rounds}",
+            f"local.cuda_graphs={str(mode == 'graphs').lower()}",
         ],
     )
+
+
+def bench_mode(
+    mode: str,
+    data: FederatedData,
+    models: list[str],
+    rounds: int,
+    algorithm: str,
+    device: torch.device,
+    batch_size: int = 64,
+    epochs: int = 2,
+) -> BenchResult:
+    cfg = _bench_config(data, models, rounds + 1, algorithm, device, batch_size, epochs, mode)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sim = Simulation(cfg, data=data)
@@ -116,6 +132,35 @@ def bench_mode(
     return result
 
 
+def profile_round(
+    data: FederatedData,
+    models: list[str],
+    algorithm: str,
+    device: torch.device,
+    batch_size: int = 64,
+    epochs: int = 2,
+    mode: str = "vmap",
+    rows: int = 25,
+) -> str:
+    """One engine round (after a warm-up round) under ``torch.profiler``: the ops that cost
+    the most device time (CPU time on a CPU), as the profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sim = Simulation(
+        _bench_config(data, models, 3, algorithm, device, batch_size, epochs, mode), data=data
+    )
+    sim.run_round(1)
+    _sync(device)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        sim.run_round(2)
+        _sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
 def run_benchmark(
     clients: int = 20,
     samples: int = 900,
@@ -128,6 +173,7 @@ def run_benchmark(
     device: str = "auto",
     batch_size: int = 64,
     epochs: int = 2,
+    profile: bool = False,
     printer=print,  # type: ignore[no-untyped-def]
 ) -> list[BenchResult]:
     dev = resolve_device(device)
@@ -139,11 +185,19 @@ def run_benchmark(
         f"{classes} classes, models {models}, E={epochs}, batch {batch_size}, eval every 10 "
         f"rounds; device {name} ({torch.get_num_threads()} threads), torch {torch.__version__}"
     )
+    if profile:
+        fast = "graphs" if dev.type == "cuda" else "loop"
+        printer(f"profile of one {fast} round:")
+        printer(profile_round(data, models, algorithm, dev, batch_size, epochs, fast))
     results = []
     for mode in modes:
+        GRAPH_STATS.update(captured=0, failed=0)
         r = bench_mode(mode, data, models, rounds, algorithm, dev, batch_size, epochs)
         results.append(r)
-        printer(f"  {mode:<9} {r.seconds_per_round:8.3f} s/round")
+        graphs = f" ({GRAPH_STATS['captured']} graphs captured, {GRAPH_STATS['failed']} failed)"
+        printer(
+            f"  {mode:<9} {r.seconds_per_round:8.3f} s/round" + (graphs if mode == "graphs" else "")
+        )
     base = next((r for r in results if r.mode == "reference"), results[0])
     printer("")
     printer("| path | s/round | speed-up vs reference | 500 rounds | peak memory (MB) |")

@@ -236,13 +236,16 @@ def bench(
         bool, typer.Option(help="LeNet, VGG8, ResNet-10/12/18 spread evenly.")
     ] = False,
     rounds: Annotated[int, typer.Option(help="Timed rounds per path (after one warm-up).")] = 2,
-    modes: Annotated[str, typer.Option(help="Paths to time, comma-separated.")] = (
-        "reference,loop,vmap"
-    ),
+    modes: Annotated[
+        str, typer.Option(help="Paths to time, comma-separated: reference, loop, vmap, graphs.")
+    ] = "reference,loop,vmap",
     algorithm: Annotated[str, typer.Option(help="Algorithm to time.")] = "mh_pfedhn",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     batch_size: Annotated[int, typer.Option(help="Local batch size.")] = 64,
     epochs: Annotated[int, typer.Option(help="Local epochs.")] = 2,
+    profile: Annotated[
+        bool, typer.Option(help="First print a torch.profiler table of one engine round.")
+    ] = False,
 ) -> None:
     """Time the papers' per-client loop against the engine on the same workload."""
     from hyperfed.bench import run_benchmark
@@ -260,6 +263,7 @@ def bench(
             device=device,
             batch_size=batch_size,
             epochs=epochs,
+            profile=profile,
             printer=lambda line: console.print(line, highlight=False, soft_wrap=True),
         )
     except _user_errors() as e:

@@ -111,6 +111,9 @@ class LocalConfig(_Section):
     # on: clients of one architecture in one vmapped step; off: client after client, same
     # functional step; reference: nn.Module + torch.optim.SGD per client (the papers' way)
     vectorize: Literal["auto", "on", "off", "reference"] = "auto"
+    # GPU only: replay each local step as one captured CUDA graph (same arithmetic, no
+    # per-kernel launch cost); a loss that cannot be captured runs eagerly with a warning
+    cuda_graphs: bool = True
 
 
 class ExperimentConfig(_Section):

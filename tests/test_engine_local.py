@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -16,10 +17,17 @@ from hyperfed.engine.local import (
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
 
+# HYPERFED_TEST_DEVICE=cuda runs the equality tests on a GPU (TF32 off: exact fp32 there too).
+DEVICE = torch.device(os.environ.get("HYPERFED_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda":
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
 
 def _setup(name, data, clients, dtype=torch.float32):
     torch.manual_seed(0)
-    fm = FunctionalModel(build_model(name, data.input_shape, data.num_classes).to(dtype))
+    module = build_model(name, data.input_shape, data.num_classes).to(dtype=dtype, device=DEVICE)
+    fm = FunctionalModel(module)
     theta = fm.initial_params().expand(len(clients), -1).clone()
     theta = theta + 0.01 * torch.randn_like(theta)  # clients start from different points
     buffers = fm.initial_buffers().expand(len(clients), -1).clone()
@@ -41,15 +49,20 @@ def _setup(name, data, clients, dtype=torch.float32):
 )
 def test_vectorized_equals_reference(name, dtype, tol, digits_data):
     clients = [0, 1, 2, 3]
-    digits_data = dataclasses.replace(digits_data, dtype=dtype)
+    digits_data = dataclasses.replace(digits_data.to(DEVICE), dtype=dtype)
     fm, theta, buffers, plan, sgd = _setup(name, digits_data, clients, dtype)
     sizes = [digits_data.train_sizes[c] for c in clients]
     assert len(set(sizes)) > 1, "the test needs clients with different numbers of steps"
     ref_t, ref_b = train_reference(
         copy.deepcopy(fm.module), fm, theta, buffers, digits_data, plan, sgd
     )
-    for vectorize in (True, False):
-        t, b, loss = train_clients(fm, theta, buffers, digits_data, plan, sgd, vectorize=vectorize)
+    paths = [(True, sgd), (False, sgd)]
+    if DEVICE.type == "cuda":  # the same steps replayed as CUDA graphs
+        paths.append((True, dataclasses.replace(sgd, cuda_graphs=True)))
+    for vectorize, path_sgd in paths:
+        t, b, loss = train_clients(
+            fm, theta, buffers, digits_data, plan, path_sgd, vectorize=vectorize
+        )
         assert torch.allclose(t, ref_t, atol=tol, rtol=1e-4), (vectorize, (t - ref_t).abs().max())
         if fm.num_buffers:
             assert torch.allclose(b, ref_b, atol=tol, rtol=1e-4), (b - ref_b).abs().max()
@@ -88,8 +101,9 @@ def test_plan_depends_only_on_the_client_seed(digits_data):
 
 def test_frozen_entries_do_not_move(digits_data):
     clients = [0, 1]
+    digits_data = digits_data.to(DEVICE)
     fm, theta, buffers, plan, sgd = _setup("lenet", digits_data, clients)
-    mask = ~fm.layout.mask(fm.module.head_prefixes)
+    mask = ~fm.layout.mask(fm.module.head_prefixes).to(DEVICE)
     t, _, _ = train_clients(fm, theta, buffers, digits_data, plan, sgd, trainable=mask)
     assert torch.equal(t[:, ~mask], theta[:, ~mask])
     assert not torch.equal(t[:, mask], theta[:, mask])

@@ -17,6 +17,7 @@ batches do not depend on which other clients share its group, nor on the executi
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from hyperfed.data.federated import FederatedData
 from hyperfed.models.layout import FunctionalModel
 
 # loss_fn(fm, theta, buffers, x, y, ctx) -> (loss, new_buffers); ctx holds per-client extras
+log = logging.getLogger("hyperfed")
+
 LossFn = Callable[[FunctionalModel, Tensor, Tensor, Tensor, Tensor, dict[str, Tensor]], tuple]
 
 
@@ -40,6 +43,7 @@ class SGDConfig:
     weight_decay: float = 1e-4
     epochs: int = 2
     batch_size: int = 64
+    cuda_graphs: bool = False  # replay each step as one captured CUDA graph (GPU only)
 
 
 @dataclass
@@ -120,7 +124,7 @@ def train_clients(
         return loss, (loss.detach(), new_bu)
 
     step = grad_and_value(step_loss, has_aux=True)
-    mask = None if trainable is None else trainable.to(theta.dtype)
+    mask = None if trainable is None else trainable.to(device=theta.device, dtype=theta.dtype)
     if vectorize:
         return _sgd_loop(vmap(step), theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
     outs = []
@@ -148,6 +152,17 @@ def _one_client(step: Callable) -> Callable:
     return run
 
 
+def _sgd_update(
+    sgd: SGDConfig, theta: Tensor, momentum_buf: Tensor, grads: Tensor, mask: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """torch.optim.SGD's step: ``d = g + wd*p; buf = m*buf + d; p -= lr*buf``."""
+    d = grads + sgd.weight_decay * theta if sgd.weight_decay else grads
+    if mask is not None:
+        d = d * mask
+    new_buf = sgd.momentum * momentum_buf + d if sgd.momentum else d
+    return theta - sgd.lr * new_buf, new_buf
+
+
 def _sgd_loop(
     step: Callable,
     theta: Tensor,
@@ -159,6 +174,8 @@ def _sgd_loop(
     mask: Tensor | None,
     step_ctx: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    if sgd.cuda_graphs and theta.is_cuda and plan.steps > GRAPH_WARMUP_STEPS:
+        return _graphed_sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx or {})
     momentum_buf = torch.zeros_like(theta)
     loss_sum = torch.zeros(theta.shape[0], device=theta.device)
     all_active = bool(plan.active.all())
@@ -166,11 +183,7 @@ def _sgd_loop(
         x, y = data.batch(plan.idx[s])
         cx = {**ctx, **{k: v[s] for k, v in step_ctx.items()}} if step_ctx else ctx
         grads, (_, (loss, new_buffers)) = step(theta, buffers, x, y, cx)
-        d = grads + sgd.weight_decay * theta if sgd.weight_decay else grads
-        if mask is not None:
-            d = d * mask
-        new_buf = sgd.momentum * momentum_buf + d if sgd.momentum else d
-        new_theta = theta - sgd.lr * new_buf
+        new_theta, new_buf = _sgd_update(sgd, theta, momentum_buf, grads, mask)
         if all_active:
             theta, momentum_buf, buffers = new_theta, new_buf, new_buffers
             loss_sum = loss_sum + loss
@@ -183,6 +196,80 @@ def _sgd_loop(
             loss_sum = loss_sum + loss * plan.active[s]
     steps = plan.active.sum(0).clamp(min=1)
     return theta.detach(), buffers.detach(), loss_sum / steps
+
+
+GRAPH_WARMUP_STEPS = 2  # eager steps on a side stream before capture (lazy cuDNN/autograd init)
+GRAPH_STATS = {"captured": 0, "failed": 0}  # read by `hyperfed bench`
+
+
+def _graphed_sgd_loop(
+    step: Callable,
+    theta: Tensor,
+    buffers: Tensor,
+    data: FederatedData,
+    plan: BatchPlan,
+    sgd: SGDConfig,
+    ctx: dict[str, Tensor],
+    mask: Tensor | None,
+    step_ctx: dict[str, Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The same steps, each replayed as one captured CUDA graph.
+
+    A vmapped step launches hundreds of small kernels; on a GPU their launch cost (~4 ms per
+    step for LeNet, `benchmarks/gpu_variants.py`) exceeds the arithmetic. The step is written
+    once against static tensors (state updated in place, batch indices copied in before each
+    replay), run eagerly for the warm-up steps, captured, and replayed for the rest. A loss
+    that cannot be captured (a host sync inside it) falls back to eager steps, with a warning.
+    """
+    th, mom, bu = theta.clone(), torch.zeros_like(theta), buffers.clone()
+    loss_sum = torch.zeros(theta.shape[0], device=theta.device)
+    idx, active = plan.idx[0].clone(), plan.active[0].clone()
+    sctx = {k: v[0].clone() for k, v in step_ctx.items()}
+
+    def body() -> None:
+        x, y = data.batch(idx)
+        grads, (_, (loss, new_buffers)) = step(th, bu, x, y, {**ctx, **sctx})
+        new_theta, new_buf = _sgd_update(sgd, th, mom, grads, mask)
+        a = active.unsqueeze(1)
+        th.copy_(torch.where(a, new_theta, th))
+        mom.copy_(torch.where(a, new_buf, mom))
+        if bu.shape[1]:
+            bu.copy_(torch.where(a, new_buffers, bu))
+        loss_sum.add_(loss.detach() * active)
+
+    def load(s: int) -> None:
+        idx.copy_(plan.idx[s])
+        active.copy_(plan.active[s])
+        for k, v in sctx.items():
+            v.copy_(step_ctx[k][s])
+
+    side = torch.cuda.Stream(theta.device)
+    side.wait_stream(torch.cuda.current_stream(theta.device))
+    with torch.cuda.stream(side):
+        for s in range(GRAPH_WARMUP_STEPS):
+            load(s)
+            body()
+    torch.cuda.current_stream(theta.device).wait_stream(side)
+    captured = torch.cuda.CUDAGraph()
+    graph: torch.cuda.CUDAGraph | None = captured
+    try:
+        with torch.cuda.graph(captured):
+            body()
+    except RuntimeError as e:  # capture records only: the state is as the warm-up left it
+        graph = None
+        if not GRAPH_STATS["failed"]:
+            log.warning("CUDA graph capture failed (%s); running these steps eagerly", e)
+        GRAPH_STATS["failed"] += 1
+    else:
+        GRAPH_STATS["captured"] += 1
+    for s in range(GRAPH_WARMUP_STEPS, plan.steps):
+        load(s)
+        if graph is not None:
+            graph.replay()
+        else:
+            body()
+    steps = plan.active.sum(0).clamp(min=1)
+    return th.detach(), bu.detach(), loss_sum / steps
 
 
 def train_reference(

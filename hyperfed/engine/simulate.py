@@ -61,7 +61,7 @@ def resolve_sgd(cfg: ExperimentConfig, algorithm_defaults: dict[str, Any]) -> SG
         v = getattr(cfg.local, key)
         if v is not None:
             values[key] = v
-    return SGDConfig(batch_size=cfg.local.batch_size, **values)
+    return SGDConfig(batch_size=cfg.local.batch_size, cuda_graphs=cfg.local.cuda_graphs, **values)
 
 
 def sample_clients(

@@ -66,7 +66,10 @@ class ParamLayout:
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         """Views of ``flat[..., K]`` as named tensors (leading dims are kept)."""
         lead = flat.shape[:-1]
-        return {s.name: flat[..., s.offset : s.end].reshape(*lead, *s.shape) for s in self.segments}
+        # one split rather than a slice per tensor: the backward is one cat, where slices
+        # would each scatter into a zero-filled gradient of size K (profiled: ~25% of a step)
+        parts = flat.split([s.numel for s in self.segments], dim=-1)
+        return {s.name: p.reshape(*lead, *s.shape) for s, p in zip(self.segments, parts)}
 
     def flatten(self, tensors: dict[str, Tensor]) -> Tensor:
         if not self.segments:
