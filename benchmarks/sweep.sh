@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The comparisons behind README "Results": every method of one table on the same config.
+#   benchmarks/sweep.sh GROUP OUT_DIR [PARALLEL] [--set k=v ...]
+# GROUP: mh_homo | mh_hetero | pfedkt | pfedes_homo | pfedes_hetero
+# Each run lands in OUT_DIR/<label>; `hyperfed report OUT_DIR/*` prints the table.
+# Extra --set arguments apply to every run (e.g. --set device=cuda --set rounds=50).
+set -euo pipefail
+group=$1 out=$2 parallel=${3:-1}
+shift 2; [ $# -gt 0 ] && shift
+extra=("$@")
+mh_methods="local fedavg pfedhn mh_pfedhn mh_pfedhng mh_pfedhngd"
+es_methods="pfedes local lg_fedavg fedproto fml fedkd fd"
+case $group in
+  mh_homo)   cfg=configs/seed000/fmnist_homo.toml
+             runs=$(for m in $mh_methods; do echo "$m algorithm.name=$m"; done) ;;
+  mh_hetero) cfg=configs/seed000/fmnist_hetero.toml
+             runs=$(for m in $mh_methods; do echo "$m algorithm.name=$m"; done) ;;
+  pfedkt)    cfg=configs/pfedkt_fmnist.toml
+             runs=$(printf '%s\n' "pfedkt algorithm.name=pfedkt" "fedavg algorithm.name=fedavg" \
+               "local algorithm.name=local" \
+               "ablation_A algorithm.use_hypernet=false algorithm.use_contrastive=false" \
+               "ablation_B algorithm.use_hypernet=true algorithm.use_contrastive=false" \
+               "ablation_C algorithm.use_hypernet=false algorithm.use_contrastive=true") ;;
+  pfedes_homo|pfedes_hetero)
+             cfg=configs/${group/pfedes_/pfedes_fmnist_}.toml
+             runs=$(for m in $es_methods; do
+               if [ "$m" = pfedes ]; then echo "pfedes algorithm.name=pfedes"
+               else echo "$m algorithm={name=\"$m\"}"; fi; done) ;;
+  *) echo "unknown group '$group' (mh_homo, mh_hetero, pfedkt, pfedes_homo, pfedes_hetero)" >&2
+     exit 2 ;;
+esac
+mkdir -p "$out"
+while read -r label sets; do
+  while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n || true; done
+  args=(); for s in $sets; do args+=(--set "$s"); done
+  ( hyperfed run --config "$cfg" "${args[@]}" "${extra[@]}" --out "$out/$label" \
+      >"$out/$label.log" 2>&1 && echo "done $label" || echo "FAILED $label (see $out/$label.log)" ) &
+done <<< "$runs"
+wait
+hyperfed report "$out"/*/ --out "$out/report" | tee "$out/report.txt" || true
