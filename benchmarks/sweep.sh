@@ -25,6 +25,9 @@ case $group in
              cfg=configs/${group/pfedes_/pfedes_fmnist_}.toml
              runs=$(for m in $es_methods; do
                if [ "$m" = pfedes ]; then echo "pfedes algorithm.name=pfedes"
+               elif [ "$m" = lg_fedavg ] && [ "$group" = pfedes_hetero ]; then
+                 # heterogeneous CNN-1..5 share only their classifier layer
+                 echo "$m algorithm={name=\"$m\",global_layers=\"classifier\"}"
                else echo "$m algorithm={name=\"$m\"}"; fi; done) ;;
   *) echo "unknown group '$group' (mh_homo, mh_hetero, pfedkt, pfedes_homo, pfedes_hetero)" >&2
      exit 2 ;;
