@@ -96,7 +96,7 @@ def _bench_config(
             f"local.vectorize={vectorize}",
             f"device={device.type}",
             f"rounds={rounds}",
-            f"local.cuda_graphs={str(mode == 'graphs').lower()}",
+            f"local.cuda_graphs={'on' if mode == 'graphs' else 'off'}",
         ],
     )
 

@@ -112,8 +112,11 @@ class LocalConfig(_Section):
     # functional step; reference: nn.Module + torch.optim.SGD per client (the papers' way)
     vectorize: Literal["auto", "on", "off", "reference"] = "auto"
     # GPU only: replay each local step as one captured CUDA graph (same arithmetic, no
-    # per-kernel launch cost); a loss that cannot be captured runs eagerly with a warning
-    cuda_graphs: bool = True
+    # per-kernel launch cost); a loss that cannot be captured runs eagerly with a warning.
+    # auto: for groups of at most 32 clients, where launches bound the step (H100: 1.75x on
+    # the heterogeneous benchmark's groups of 10; 0.88x on one group of 50, which is
+    # GPU-bound and pays the capture each round)
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
 
 
 class ExperimentConfig(_Section):

@@ -58,7 +58,7 @@ def test_vectorized_equals_reference(name, dtype, tol, digits_data):
     )
     paths = [(True, sgd), (False, sgd)]
     if DEVICE.type == "cuda":  # the same steps replayed as CUDA graphs
-        paths.append((True, dataclasses.replace(sgd, cuda_graphs=True)))
+        paths.append((True, dataclasses.replace(sgd, cuda_graphs="on")))
     for vectorize, path_sgd in paths:
         t, b, loss = train_clients(
             fm, theta, buffers, digits_data, plan, path_sgd, vectorize=vectorize

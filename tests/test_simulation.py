@@ -216,3 +216,23 @@ def test_when_every_reply_is_rejected_the_server_state_is_unchanged(monkeypatch)
     assert result.rejected == [0, 1]
     assert result.bytes_up == 2 * sim.models["lenet"].num_params * 4  # uploaded, then rejected
     assert torch.equal(_global(sim), before)
+
+
+def test_round_flops_are_steps_times_batch_times_one_sample_forward_backward():
+    """Local trains one model with plain CE: the measured FLOPs must equal the hand count."""
+    import math
+
+    from hyperfed.engine.simulate import train_flops_per_sample
+
+    sim = _sim("algorithm.name=local", "clients.count=3")
+    result = sim.run_round(1)
+    steps = sum(math.ceil(n / 32) for n in sim.data.train_sizes)  # E = 1, batch 32
+    per_sample = train_flops_per_sample(sim.models["lenet"], sim.data.input_shape, sim.device)
+    assert result.flops == steps * 32 * per_sample > 0
+
+
+def test_a_second_trained_model_shows_in_the_flops():
+    """FML trains the shared model beside the private one: more FLOPs than Local alone."""
+    local = _sim("algorithm.name=local", "clients.count=2").run_round(1).flops
+    fml = _sim('algorithm={name="fml", shared_model="lenet"}', "clients.count=2").run_round(1).flops
+    assert fml > local > 0

@@ -53,11 +53,6 @@ def phase(sgd: SGDConfig, epochs: int, lr: float | None) -> SGDConfig:
 class DFedAltClient(Client):
     shared_keys: tuple[str, ...] = ("shared",)  # the payload sent to neighbours
 
-    @property
-    def local_epochs(self) -> int:
-        """Epochs of local data per round (FLOP accounting)."""
-        return self.hp.epochs_v + self.hp.epochs_u
-
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         return {}
 

@@ -96,11 +96,6 @@ class DFedHPClient(DFedAltClient):
         super().__init__(hp, ctx)
         self._parts: dict[int, tuple[BodyHead, FilterHypernet, Tensor]] = {}
 
-    @property
-    def local_epochs(self) -> int:
-        hp: DFedHPParams = self.hp
-        return hp.epochs_v + hp.epochs_phi + (0 if hp.joint_phi_z else hp.epochs_z)
-
     def parts(self, fm: FunctionalModel) -> tuple[BodyHead, FilterHypernet, Tensor]:
         """(body/head split, hypernetwork shape, the fixed initial body theta0_body) of a model."""
         if id(fm) not in self._parts:

@@ -21,15 +21,13 @@ clients, so ``bytes_up_per_client`` in ``metrics.jsonl`` is the mean over active
 ``bytes_payload`` is the size of one copy (the per-round model-size figure of seed 004
 Table 3) and ``active_neighbors`` the mean number of active neighbours (Figure 3d).
 
-**FLOPs** count the model's forward + backward per sample over the client's local epochs
-(``Client.local_epochs`` when a method sets it, e.g. DFedHP's K_v + K_phi + K_z, else the
-``[local]`` epochs); a hypernetwork's own generation and backward are not counted.
+**FLOPs** are what the clients' local steps measure (``engine.local.FlopMeter``: forward +
+backward of every step's loss, a generator inside the loss included).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +35,7 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import Payload, payload_bytes, stack_payloads, unstack_payload
 from hyperfed.config import ConfigError
+from hyperfed.engine.local import FlopMeter
 from hyperfed.engine.topology import GossipParams, active_mixing, adjacency, spectral_gap
 
 if TYPE_CHECKING:
@@ -86,21 +85,20 @@ def decentralized_round(sim: Simulation, rnd: int) -> RoundResult:
     cids = sample_clients(
         cfg.clients.count, cfg.participation, cfg.seed, rnd, sim.server.eligible_clients(rnd)
     )
-    epochs = getattr(sim.client, "local_epochs", sim.sgd.epochs)
     replies: dict[int, Payload] = {}
-    losses, flops = [], 0
-    for name, members in sim.groups.items():
-        part = [c for c in cids if c in set(members)]
-        if not part:
-            continue
-        group = sim.group(name, part, rnd)
-        reply, state, loss = sim.client.fit(group, {}, sim._gather(part))
-        for c, s in zip(part, unstack_payload(state, len(part))):
-            sim.store[c] = s
-        replies.update(zip(part, unstack_payload(reply, len(part))))
-        losses.append(loss)
-        steps = [math.ceil(epochs * sim.data.train_sizes[c] / sim.sgd.batch_size) for c in part]
-        flops += sum(steps) * sim.sgd.batch_size * sim.flops_per_sample[name]
+    losses = []
+    with FlopMeter() as meter:
+        for name, members in sim.groups.items():
+            part = [c for c in cids if c in set(members)]
+            if not part:
+                continue
+            group = sim.group(name, part, rnd)
+            reply, state, loss = sim.client.fit(group, {}, sim._gather(part))
+            for c, s in zip(part, unstack_payload(state, len(part))):
+                sim.store[c] = s
+            replies.update(zip(part, unstack_payload(reply, len(part))))
+            losses.append(loss)
+    flops = meter.total
 
     rejected = []
     for c in list(replies):

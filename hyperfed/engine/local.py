@@ -43,7 +43,7 @@ class SGDConfig:
     weight_decay: float = 1e-4
     epochs: int = 2
     batch_size: int = 64
-    cuda_graphs: bool = False  # replay each step as one captured CUDA graph (GPU only)
+    cuda_graphs: str = "off"  # on / auto (groups <= GRAPH_AUTO_MAX_CLIENTS) / off; GPU only
 
 
 @dataclass
@@ -54,6 +54,65 @@ class BatchPlan:
     @property
     def steps(self) -> int:
         return int(self.idx.shape[0])
+
+
+class FlopMeter:
+    """Counts the training FLOPs of every :func:`train_clients` call made inside
+    ``with FlopMeter() as meter:`` -- whatever the loss trains (a second model, an extractor,
+    a teacher's forward pass). One step of one client is measured once per (model, loss,
+    shapes) with torch's flop counter (forward + backward, batch of ``B``) and multiplied by
+    the number of client-steps taken. The SGD update itself is not counted."""
+
+    active: list[FlopMeter] = []
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def __enter__(self) -> FlopMeter:
+        FlopMeter.active.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        FlopMeter.active.remove(self)
+
+
+_STEP_FLOPS: dict[tuple, int] = {}
+
+
+def _count_flops(
+    step_loss: Callable,
+    loss_fn: Callable,
+    fm: FunctionalModel,
+    theta: Tensor,
+    buffers: Tensor,
+    data: FederatedData,
+    plan: BatchPlan,
+    ctx: dict[str, Tensor],
+    step_ctx: dict[str, Tensor],
+) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    fn = getattr(loss_fn, "func", loss_fn)  # functools.partial
+    key = (
+        fm.name,
+        fm.num_params,
+        getattr(fn, "__qualname__", repr(fn)),
+        tuple(data.input_shape),
+        plan.idx.shape[-1],
+        tuple((k, tuple(v.shape[1:])) for k, v in sorted(ctx.items())),
+        tuple((k, tuple(v.shape[2:])) for k, v in sorted(step_ctx.items())),
+    )
+    if key not in _STEP_FLOPS:
+        x, y = data.batch(plan.idx[0, 0])
+        cx = {k: v[0] for k, v in ctx.items()} | {k: v[0, 0] for k, v in step_ctx.items()}
+        leaf = theta[0].detach().requires_grad_(True)
+        with FlopCounterMode(display=False) as counter, torch.enable_grad():
+            loss, _ = step_loss(leaf, buffers[0], x, y, cx)
+            torch.autograd.grad(loss, leaf)
+        _STEP_FLOPS[key] = int(counter.get_total_flops())
+    client_steps = int(plan.active.sum())
+    for meter in FlopMeter.active:
+        meter.total += _STEP_FLOPS[key] * client_steps
 
 
 def client_seed(seed: int, rnd: int, client_id: int, salt: int = 0) -> int:
@@ -123,10 +182,12 @@ def train_clients(
         loss, new_bu = loss_fn(fm, th, bu, x, y, cx)
         return loss, (loss.detach(), new_bu)
 
-    step = grad_and_value(step_loss, has_aux=True)
+    if FlopMeter.active:
+        _count_flops(step_loss, loss_fn, fm, theta, buffers, data, plan, ctx, step_ctx)
     mask = None if trainable is None else trainable.to(device=theta.device, dtype=theta.dtype)
     if vectorize:
-        return _sgd_loop(vmap(step), theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
+        step = vmap(grad_and_value(step_loss, has_aux=True))
+        return _sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
     outs = []
     for c in range(theta.shape[0]):
         s = int(plan.active[:, c].sum())
@@ -136,18 +197,32 @@ def train_clients(
         sx = {k: v[:s, c : c + 1] for k, v in step_ctx.items()}
         outs.append(
             _sgd_loop(
-                _one_client(step), theta[c : c + 1], buffers[c : c + 1], data, sub, sgd, cx, m, sx
+                _one_client(step_loss),
+                theta[c : c + 1],
+                buffers[c : c + 1],
+                data,
+                sub,
+                sgd,
+                cx,
+                m,
+                sx,
             )
         )
     return tuple(torch.cat(parts) for parts in zip(*outs))  # type: ignore[return-value]
 
 
-def _one_client(step: Callable) -> Callable:
-    """Run an un-vmapped step on a client axis of length 1 (no vmap overhead)."""
+def _one_client(step_loss: Callable) -> Callable:
+    """One client's step on a client axis of length 1, with plain autograd: no vmap and no
+    ``torch.func`` transform, whose per-op dispatch overhead dominates small CPU steps."""
 
     def run(th: Tensor, bu: Tensor, x: Tensor, y: Tensor, cx: dict) -> tuple:
-        g, (loss, (loss_d, nb)) = step(th[0], bu[0], x[0], y[0], {k: v[0] for k, v in cx.items()})
-        return g[None], (loss[None], (loss_d[None], nb[None]))
+        leaf = th[0].detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss, (loss_d, nb) = step_loss(
+                leaf, bu[0], x[0], y[0], {k: v[0] for k, v in cx.items()}
+            )
+            (g,) = torch.autograd.grad(loss, leaf)
+        return g[None], (loss_d[None], (loss_d[None], nb.detach()[None]))
 
     return run
 
@@ -174,7 +249,10 @@ def _sgd_loop(
     mask: Tensor | None,
     step_ctx: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if sgd.cuda_graphs and theta.is_cuda and plan.steps > GRAPH_WARMUP_STEPS:
+    graphs = sgd.cuda_graphs == "on" or (
+        sgd.cuda_graphs == "auto" and theta.shape[0] <= GRAPH_AUTO_MAX_CLIENTS
+    )
+    if graphs and theta.is_cuda and plan.steps > GRAPH_WARMUP_STEPS:
         return _graphed_sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx or {})
     momentum_buf = torch.zeros_like(theta)
     loss_sum = torch.zeros(theta.shape[0], device=theta.device)
@@ -198,6 +276,7 @@ def _sgd_loop(
     return theta.detach(), buffers.detach(), loss_sum / steps
 
 
+GRAPH_AUTO_MAX_CLIENTS = 32  # "auto": larger groups are GPU-bound (see config.py)
 GRAPH_WARMUP_STEPS = 2  # eager steps on a side stream before capture (lazy cuDNN/autograd init)
 GRAPH_STATS = {"captured": 0, "failed": 0}  # read by `hyperfed bench`
 

@@ -10,7 +10,6 @@ run resumes to the same result.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from hyperfed.config import ConfigError, ExperimentConfig, to_toml
 from hyperfed.data.federated import FederatedData, federate
 from hyperfed.data.sources import load_dataset
 from hyperfed.engine.decentralized import Gossip, decentralized_round
-from hyperfed.engine.local import SGDConfig, evaluate_clients
+from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients
 from hyperfed.engine.rundir import RunDir
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ModelInputError, build_model, check_input
@@ -200,10 +199,6 @@ class Simulation:
             state = self.client.init_state(self.models[name], len(cids))
             for i, cid in enumerate(cids):
                 self.store[cid] = {k: v[i].to(self.device) for k, v in state.items()}
-        self.flops_per_sample = {
-            n: train_flops_per_sample(fm, data.input_shape, self.device)
-            for n, fm in self.models.items()
-        }
         self.bytes_join = sum(payload_bytes(p) for p in self.joins.values())
         self.totals = {"bytes_up": self.bytes_join, "bytes_down": 0, "flops": 0}
         # decentralized algorithms: no server, gossip over a graph (engine/decentralized.py)
@@ -239,24 +234,21 @@ class Simulation:
         )
         msgs = self.server.configure_train(rnd, cids)
         replies: dict[int, Payload] = {}
-        losses, flops = [], 0
-        for name, members in self.groups.items():
-            part = [c for c in cids if c in set(members)]
-            if not part:
-                continue
-            group = self.group(name, part, rnd)
-            reply, state, loss = self.client.fit(
-                group, stack_payloads([msgs[c] for c in part]), self._gather(part)
-            )
-            for c, s in zip(part, unstack_payload(state, len(part))):
-                self.store[c] = s
-            replies.update(zip(part, unstack_payload(reply, len(part))))
-            losses.append(loss)
-            steps = [
-                math.ceil(self.sgd.epochs * self.data.train_sizes[c] / self.sgd.batch_size)
-                for c in part
-            ]
-            flops += sum(steps) * self.sgd.batch_size * self.flops_per_sample[name]
+        losses = []
+        with FlopMeter() as meter:
+            for name, members in self.groups.items():
+                part = [c for c in cids if c in set(members)]
+                if not part:
+                    continue
+                group = self.group(name, part, rnd)
+                reply, state, loss = self.client.fit(
+                    group, stack_payloads([msgs[c] for c in part]), self._gather(part)
+                )
+                for c, s in zip(part, unstack_payload(state, len(part))):
+                    self.store[c] = s
+                replies.update(zip(part, unstack_payload(reply, len(part))))
+                losses.append(loss)
+        flops = meter.total
         bytes_up = sum(payload_bytes(p) for p in replies.values())  # rejected ones were sent too
         rejected = []
         for c in list(replies):
