@@ -274,6 +274,14 @@ def test_report_compares_runs(two_runs, tmp_path):
         assert f"| {algorithm} |" in rows[0]
         header = next(line for line in text.splitlines() if line.startswith("| run |"))
         assert rows[0].count("|") == header.count("|")
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        reached = next(r for r in records if r["mean_acc"] >= 0.1)
+        cells = [c.strip() for c in rows[0].split("|")[1:-1]]
+        assert cells[-3:] == [
+            str(reached["round"]),
+            f"{reached['bytes_up_total'] / 1e6:.2f}",
+            f"{reached['flops_total'] / 1e12:.3f}",
+        ]
     for png in ("accuracy_vs_round.png", "accuracy_vs_upload.png", "accuracy_vs_flops.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG", png
         assert f"({png})" in text
