@@ -35,7 +35,6 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import Payload, payload_bytes, stack_payloads, unstack_payload
 from hyperfed.config import ConfigError
-from hyperfed.engine.local import FlopMeter
 from hyperfed.engine.topology import GossipParams, active_mixing, adjacency, spectral_gap
 
 if TYPE_CHECKING:
@@ -85,20 +84,7 @@ def decentralized_round(sim: Simulation, rnd: int) -> RoundResult:
     cids = sample_clients(
         cfg.clients.count, cfg.participation, cfg.seed, rnd, sim.server.eligible_clients(rnd)
     )
-    replies: dict[int, Payload] = {}
-    losses = []
-    with FlopMeter() as meter:
-        for name, members in sim.groups.items():
-            part = [c for c in cids if c in set(members)]
-            if not part:
-                continue
-            group = sim.group(name, part, rnd)
-            reply, state, loss = sim.client.fit(group, {}, sim._gather(part))
-            for c, s in zip(part, unstack_payload(state, len(part))):
-                sim.store[c] = s
-            replies.update(zip(part, unstack_payload(reply, len(part))))
-            losses.append(loss)
-    flops = meter.total
+    replies, losses, flops = sim.fit_groups(rnd, cids, None)
 
     rejected = []
     for c in list(replies):

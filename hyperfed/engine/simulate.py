@@ -222,6 +222,29 @@ class Simulation:
     def _gather(self, cids: list[int]) -> dict[str, Tensor]:
         return stack_payloads([self.store[c] for c in cids])
 
+    def fit_groups(
+        self, rnd: int, cids: list[int], msgs: dict[int, Payload] | None
+    ) -> tuple[dict[int, Payload], list[Tensor], int]:
+        """The participants train, one architecture group at a time (``msgs``: the server's
+        message per client, None where nothing is sent); their state goes back to the store.
+        Returns (reply per client, each group's losses, training FLOPs)."""
+        replies: dict[int, Payload] = {}
+        losses = []
+        with FlopMeter() as meter:
+            for name, members in self.groups.items():
+                part = [c for c in cids if c in set(members)]
+                if not part:
+                    continue
+                msg = {} if msgs is None else stack_payloads([msgs[c] for c in part])
+                reply, state, loss = self.client.fit(
+                    self.group(name, part, rnd), msg, self._gather(part)
+                )
+                for c, s in zip(part, unstack_payload(state, len(part))):
+                    self.store[c] = s
+                replies.update(zip(part, unstack_payload(reply, len(part))))
+                losses.append(loss)
+        return replies, losses, meter.total
+
     def run_round(self, rnd: int) -> RoundResult:
         if self.gossip is not None:
             return decentralized_round(self, rnd)
@@ -233,22 +256,7 @@ class Simulation:
             self.server.eligible_clients(rnd),
         )
         msgs = self.server.configure_train(rnd, cids)
-        replies: dict[int, Payload] = {}
-        losses = []
-        with FlopMeter() as meter:
-            for name, members in self.groups.items():
-                part = [c for c in cids if c in set(members)]
-                if not part:
-                    continue
-                group = self.group(name, part, rnd)
-                reply, state, loss = self.client.fit(
-                    group, stack_payloads([msgs[c] for c in part]), self._gather(part)
-                )
-                for c, s in zip(part, unstack_payload(state, len(part))):
-                    self.store[c] = s
-                replies.update(zip(part, unstack_payload(reply, len(part))))
-                losses.append(loss)
-        flops = meter.total
+        replies, losses, flops = self.fit_groups(rnd, cids, msgs)
         bytes_up = sum(payload_bytes(p) for p in replies.values())  # rejected ones were sent too
         rejected = []
         for c in list(replies):
