@@ -290,6 +290,22 @@ class Client:
         raise NotImplementedError
 
 
+class PersonalModelClient(Client):
+    """A client that keeps its whole model ``theta`` in its own state (starting from the
+    architecture's shared initialization) and is evaluated with it: Local, FD, FedProto,
+    FML, pFedES, LG-FedAvg, DFedAvg."""
+
+    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
+        state = super().init_state(fm, num_clients)
+        state["theta"] = fm.initial_params().expand(num_clients, -1).clone()
+        return state
+
+    def eval_model(
+        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        return state["theta"], state["buffers"]
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """Registry entry: what `hyperfed list algorithms` shows and the simulator builds."""

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from hyperfed.algorithms.base import Algorithm, Client, ClientGroup, Payload, Server
+from hyperfed.algorithms.base import (
+    Algorithm,
+    ClientGroup,
+    Payload,
+    PersonalModelClient,
+    Server,
+)
 from hyperfed.engine.topology import GossipParams
 from hyperfed.models.layout import FunctionalModel
 
@@ -24,25 +30,15 @@ class DFedAvgParams(GossipParams):
     """Only the graph (``topology``, ``p``, ``weights``, ``resample``) beyond local SGD."""
 
 
-class DFedAvgClient(Client):
+class DFedAvgClient(PersonalModelClient):
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         return {}  # no server to tell
-
-    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
-        state = super().init_state(fm, num_clients)
-        state["theta"] = fm.initial_params().expand(num_clients, -1).clone()
-        return state
 
     def fit(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[Payload, dict[str, Tensor], Tensor]:
         theta, buffers, loss = group.train(state["theta"], state["buffers"])
         return {"theta": theta}, {"theta": theta, "buffers": buffers}, loss
-
-    def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        return state["theta"], state["buffers"]
 
 
 ALGORITHM = Algorithm(

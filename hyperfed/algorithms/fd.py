@@ -29,9 +29,9 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import (
     Algorithm,
-    Client,
     ClientGroup,
     Payload,
+    PersonalModelClient,
     Server,
     ServerContext,
 )
@@ -119,14 +119,9 @@ class FDServer(Server):
             self.report_counts[self.slot[c]] = n
 
 
-class FDClient(Client):
+class FDClient(PersonalModelClient):
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         return {"num_samples": torch.tensor(num_samples, dtype=torch.int64)}
-
-    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
-        state = super().init_state(fm, num_clients)
-        state["theta"] = fm.initial_params().expand(num_clients, -1).clone()
-        return state
 
     def fit(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
@@ -142,11 +137,6 @@ class FDClient(Client):
         )
         reply = dict(zip(KEYS, pack_classes(means, counts)))
         return reply, {"theta": theta, "buffers": buffers}, loss
-
-    def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        return state["theta"], state["buffers"]
 
 
 ALGORITHM = Algorithm(

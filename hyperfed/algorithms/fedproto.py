@@ -35,9 +35,9 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import (
     Algorithm,
-    Client,
     ClientGroup,
     Payload,
+    PersonalModelClient,
     Server,
     ServerContext,
 )
@@ -115,7 +115,7 @@ class FedProtoServer(Server):
         self.proto_mask = torch.maximum(self.proto_mask, seen.to(self.proto_mask.dtype))
 
 
-class FedProtoClient(Client):
+class FedProtoClient(PersonalModelClient):
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         feature_dim = fm.module.feature_dim  # the input size of the zoo model's last Linear
         if not isinstance(feature_dim, int):
@@ -124,11 +124,6 @@ class FedProtoClient(Client):
             "num_samples": torch.tensor(num_samples, dtype=torch.int64),
             "feature_dim": torch.tensor(feature_dim, dtype=torch.int64),
         }
-
-    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
-        state = super().init_state(fm, num_clients)
-        state["theta"] = fm.initial_params().expand(num_clients, -1).clone()
-        return state
 
     def fit(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
@@ -144,11 +139,6 @@ class FedProtoClient(Client):
         )
         reply = dict(zip(KEYS, pack_classes(means, counts)))
         return reply, {"theta": theta, "buffers": buffers}, loss
-
-    def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        return state["theta"], state["buffers"]
 
 
 ALGORITHM = Algorithm(

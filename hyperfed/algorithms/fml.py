@@ -30,10 +30,10 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
     ClientGroup,
     Payload,
+    PersonalModelClient,
     Server,
     ServerContext,
 )
@@ -115,7 +115,7 @@ class FMLServer(Server):
         self.shared = weighted_average(thetas, n_k.to(thetas.device))
 
 
-class FMLClient(Client):
+class FMLClient(PersonalModelClient):
     """Private + shared model trained together; subclasses change only :meth:`loss_fn`."""
 
     def __init__(self, hp: FMLParams, ctx: ClientContext) -> None:
@@ -130,7 +130,6 @@ class FMLClient(Client):
 
     def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
         state = super().init_state(fm, num_clients)
-        state["theta"] = fm.initial_params().expand(num_clients, -1).clone()
         bufs = self.shared_fm.initial_buffers().to(state["theta"].device)
         state["shared_buffers"] = bufs.expand(num_clients, -1).clone()
         return state
@@ -146,11 +145,6 @@ class FMLClient(Client):
         bu_p, bu_s = pair.split_buffers(buffers)
         new_state = {"theta": th_p, "buffers": bu_p, "shared_buffers": bu_s}
         return {"shared": th_s}, new_state, loss
-
-    def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        return state["theta"], state["buffers"]
 
 
 ALGORITHM = Algorithm(

@@ -28,9 +28,9 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import (
     Algorithm,
-    Client,
     ClientGroup,
     Payload,
+    PersonalModelClient,
     Server,
     ServerContext,
 )
@@ -98,17 +98,12 @@ class LGFedAvgServer(Server):
         self.head = weighted_average(heads, n_k.to(heads.device))
 
 
-class LGFedAvgClient(Client):
+class LGFedAvgClient(PersonalModelClient):
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         return {
             "num_samples": torch.tensor(num_samples, dtype=torch.int64),
             "num_global": torch.tensor(int(global_mask(fm, self.hp.global_layers).sum())),
         }
-
-    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
-        state = super().init_state(fm, num_clients)
-        state["theta"] = fm.initial_params().expand(num_clients, -1).clone()
-        return state
 
     def with_global(self, fm: FunctionalModel, theta: Tensor, msg: Payload) -> Tensor:
         """The client's model with the server's global layers written in (if any yet)."""

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from hyperfed.algorithms.base import Algorithm, Client, ClientGroup, Payload, Server
+from hyperfed.algorithms.base import (
+    Algorithm,
+    ClientGroup,
+    Payload,
+    PersonalModelClient,
+    Server,
+)
 from hyperfed.models.layout import FunctionalModel
 
 
@@ -15,12 +21,7 @@ class LocalParams:
     """Local training has no hyperparameters beyond the local SGD settings."""
 
 
-class LocalClient(Client):
-    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
-        state = super().init_state(fm, num_clients)
-        state["theta"] = fm.initial_params().expand(num_clients, -1).clone()
-        return state
-
+class LocalClient(PersonalModelClient):
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         return {}
 
@@ -29,11 +30,6 @@ class LocalClient(Client):
     ) -> tuple[Payload, dict[str, Tensor], Tensor]:
         theta, buffers, loss = group.train(state["theta"], state["buffers"])
         return {}, {"theta": theta, "buffers": buffers}, loss
-
-    def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        return state["theta"], state["buffers"]
 
 
 ALGORITHM = Algorithm(

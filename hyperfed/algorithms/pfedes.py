@@ -40,10 +40,10 @@ from torch import Tensor, nn
 
 from hyperfed.algorithms.base import (
     Algorithm,
-    Client,
     ClientContext,
     ClientGroup,
     Payload,
+    PersonalModelClient,
     Server,
     ServerContext,
 )
@@ -161,7 +161,7 @@ class PFedESServer(Server):
 
 
 # -- client ----------------------------------------------------------------------------------
-class PFedESClient(Client):
+class PFedESClient(PersonalModelClient):
     def __init__(self, hp: PFedESParams, ctx: ClientContext) -> None:
         super().__init__(hp, ctx)
         self.hp: PFedESParams = hp
@@ -171,11 +171,6 @@ class PFedESClient(Client):
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         """Only n_k (for Eq. 10): the server learns nothing about F_k."""
         return {"num_samples": torch.tensor(num_samples, dtype=torch.int64)}
-
-    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
-        state = super().init_state(fm, num_clients)
-        state["theta"] = fm.initial_params().expand(num_clients, -1).clone()
-        return state
 
     def pair(self, fm: FunctionalModel) -> ModelPair:
         return ModelPair(fm, self.extractor_fm)
@@ -219,11 +214,6 @@ class PFedESClient(Client):
         theta_f, theta_g = pair.split(theta)
         buf_f, _ = pair.split_buffers(buffers)
         return {"extractor": theta_g}, {"theta": theta_f, "buffers": buf_f}, loss
-
-    def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
-    ) -> tuple[Tensor, Tensor]:
-        return state["theta"], state["buffers"]
 
 
 ALGORITHM = Algorithm(
