@@ -144,6 +144,8 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     assert got == expected
     assert len((killed_dir / "metrics.jsonl").read_text().splitlines()) == len(expected)
     assert (killed_dir / "summary.md").exists()
+    seconds = [r["seconds"] for r in _records(killed_dir)]
+    assert seconds == sorted(seconds), "the clock goes on across a resume"
 
 
 def test_a_new_run_does_not_inherit_an_old_checkpoint_in_its_directory(tmp_path):

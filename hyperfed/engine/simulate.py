@@ -205,6 +205,7 @@ class Simulation:
         decentralized = self.algorithm.kind == "decentralized"
         self.gossip = Gossip(self.hp, cfg.clients.count, cfg.seed) if decentralized else None
         self.setup_info: dict[str, Any] = {}  # what run_setup measured (empty: no setup)
+        self.seconds_before, self._t0 = 0.0, time.perf_counter()
 
     # -- one round ---------------------------------------------------------------------
     def group(self, name: str, cids: list[int], rnd: int) -> ClientGroup:
@@ -373,6 +374,7 @@ class Simulation:
             "store": {c: {k: v.cpu() for k, v in s.items()} for c, s in self.store.items()},
             "totals": dict(self.totals),
             "setup_info": self.setup_info,
+            "seconds": self.elapsed(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> int:
@@ -382,7 +384,12 @@ class Simulation:
         }
         self.totals = dict(state["totals"])
         self.setup_info = dict(state.get("setup_info", {}))
+        self.seconds_before = float(state.get("seconds", 0.0))  # a resumed run's clock goes on
         return int(state["round"])
+
+    def elapsed(self) -> float:
+        """Wall seconds of this run so far, the time before a resume included."""
+        return round(self.seconds_before + time.perf_counter() - self._t0, 3)
 
     # -- the loop ----------------------------------------------------------------------
     def run(
@@ -399,7 +406,7 @@ class Simulation:
         if run_dir is not None and start_round == 0:
             run_dir.create(to_toml(cfg))
         tensorboard = open_tensorboard(run_dir.path) if cfg.tensorboard and run_dir else None
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         if start_round == 0:  # a resumed run did its setup before its first checkpoint
             self.run_setup()
         for rnd in range(start_round + 1, cfg.rounds + 1):
@@ -423,7 +430,7 @@ class Simulation:
                     "flops_total": self.totals["flops"],
                     **result.extra,
                     "num_clients": n,
-                    "seconds": round(time.perf_counter() - t0, 3),
+                    "seconds": self.elapsed(),
                     **self.setup_info,
                 }
                 records.append(record)
