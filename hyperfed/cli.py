@@ -61,6 +61,9 @@ def run(
         Path | None, typer.Option(help="Continue a run directory from its last checkpoint.")
     ] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar or tables.")] = False,
+    force: Annotated[
+        bool, typer.Option(help="Replace an earlier run already in the --out directory.")
+    ] = False,
 ) -> None:
     """Run an experiment (no arguments: the built-in default on scikit-learn's digits)."""
     from hyperfed.config import load_config
@@ -78,6 +81,11 @@ def run(
                 _fail(f"--resume {resume}: not a run directory (no config.toml)")
             sim, run_dir, start = resume_run(resume)
         else:
+            if out is not None and (out / "metrics.jsonl").exists() and not force:
+                _fail(
+                    f"--out {out} already holds a run; --resume {out} continues it, "
+                    "--force replaces it, or choose another --out"
+                )
             cfg = load_config(config, set_ or [])
             sim = Simulation(cfg)
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")

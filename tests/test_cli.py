@@ -66,7 +66,7 @@ def test_python_m_hyperfed_help():
     "args,expected",
     [
         ([], ["run", "list", "report"]),
-        (["run"], ["--config", "--set", "--out", "--resume", "--quiet"]),
+        (["run"], ["--config", "--set", "--out", "--resume", "--quiet", "--force"]),
         (["list"], ["algorithms", "models", "datasets", "partitions"]),
         (["report"], ["--out", "--target"]),
     ],
@@ -294,3 +294,14 @@ def test_report_on_a_directory_that_is_not_a_run(tmp_path):
         invoke("report", str(tmp_path / "not_a_run"), "--out", str(out)), "not_a_run"
     )
     assert not out.exists()
+
+
+def test_run_into_a_folder_that_holds_a_run_needs_force(tmp_path):
+    out = tmp_path / "run"
+    args = [*_sets([*SMALL, "rounds=1", "clients.count=2"]), "--out", str(out), "--quiet"]
+    assert invoke("run", *args).exit_code == 0
+    before = (out / "metrics.jsonl").read_text()
+    _assert_one_line_error(invoke("run", *args), "--force")
+    assert (out / "metrics.jsonl").read_text() == before  # nothing changed
+    result = invoke("run", *args, "--force")
+    assert result.exit_code == 0, (result.output, result.exception)
