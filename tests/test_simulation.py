@@ -224,11 +224,13 @@ def test_round_flops_are_steps_times_batch_times_one_sample_forward_backward():
 
     from hyperfed.engine.simulate import train_flops_per_sample
 
-    sim = _sim("algorithm.name=local", "clients.count=3")
-    result = sim.run_round(1)
-    steps = sum(math.ceil(n / 32) for n in sim.data.train_sizes)  # E = 1, batch 32
-    per_sample = train_flops_per_sample(sim.models["lenet"], sim.data.input_shape, sim.device)
-    assert result.flops == steps * 32 * per_sample > 0
+    for path in ("off", "reference"):
+        sim = _sim("algorithm.name=local", "clients.count=3", f"local.vectorize={path}")
+        result = sim.run_round(1)
+        steps = sum(math.ceil(n / 32) for n in sim.data.train_sizes)  # E = 1, batch 32
+        fm = sim.models["lenet"]
+        per_sample = train_flops_per_sample(fm, sim.data.input_shape, sim.device)
+        assert result.flops == steps * 32 * per_sample > 0, path
 
 
 def test_a_second_trained_model_shows_in_the_flops():

@@ -30,9 +30,9 @@ from torch.func import grad_and_value, vmap
 from hyperfed.data.federated import FederatedData
 from hyperfed.models.layout import FunctionalModel
 
-# loss_fn(fm, theta, buffers, x, y, ctx) -> (loss, new_buffers); ctx holds per-client extras
 log = logging.getLogger("hyperfed")
 
+# loss_fn(fm, theta, buffers, x, y, ctx) -> (loss, new_buffers); ctx holds per-client extras
 LossFn = Callable[[FunctionalModel, Tensor, Tensor, Tensor, Tensor, dict[str, Tensor]], tuple]
 
 
@@ -57,7 +57,7 @@ class BatchPlan:
 
 
 class FlopMeter:
-    """Counts the training FLOPs of every :func:`train_clients` call made inside
+    """Counts the training FLOPs of every :func:`train_clients` (and reference) call made inside
     ``with FlopMeter() as meter:`` -- whatever the loss trains (a second model, an extractor,
     a teacher's forward pass). One step of one client is measured once per (model, loss,
     shapes) with torch's flop counter (forward + backward, batch of ``B``) and multiplied by
@@ -79,9 +79,8 @@ class FlopMeter:
 _STEP_FLOPS: dict[tuple, int] = {}
 
 
-def _count_flops(
-    step_loss: Callable,
-    loss_fn: Callable,
+def count_flops(
+    loss_fn: LossFn,
     fm: FunctionalModel,
     theta: Tensor,
     buffers: Tensor,
@@ -107,7 +106,7 @@ def _count_flops(
         cx = {k: v[0] for k, v in ctx.items()} | {k: v[0, 0] for k, v in step_ctx.items()}
         leaf = theta[0].detach().requires_grad_(True)
         with FlopCounterMode(display=False) as counter, torch.enable_grad():
-            loss, _ = step_loss(leaf, buffers[0], x, y, cx)
+            loss, _ = loss_fn(fm, leaf, buffers[0], x, y, cx)
             torch.autograd.grad(loss, leaf)
         _STEP_FLOPS[key] = int(counter.get_total_flops())
     client_steps = int(plan.active.sum())
@@ -183,7 +182,7 @@ def train_clients(
         return loss, (loss.detach(), new_bu)
 
     if FlopMeter.active:
-        _count_flops(step_loss, loss_fn, fm, theta, buffers, data, plan, ctx, step_ctx)
+        count_flops(loss_fn, fm, theta, buffers, data, plan, ctx, step_ctx)
     mask = None if trainable is None else trainable.to(device=theta.device, dtype=theta.dtype)
     if vectorize:
         step = vmap(grad_and_value(step_loss, has_aux=True))
@@ -364,6 +363,8 @@ def train_reference(
 
     Kept as the ground truth for tests and the baseline for benchmarks.
     """
+    if FlopMeter.active:
+        count_flops(cross_entropy_loss, fm, theta, buffers, data, plan, {}, {})
     out_theta, out_buf = [], []
     for c in range(theta.shape[0]):
         fm.load_into(module, theta[c], buffers[c])
