@@ -141,7 +141,7 @@ def test_mh_pfedhn_client_sends_its_size_at_join_and_only_its_update_after_fit(c
     assert update["delta"].shape == (fm.num_params,)
     assert set(reply.content.config_records) == set()
     assert {k: set(v) for k, v in reply.content.metric_records.items()} == {
-        fl.METRICS: {"train_loss"}
+        fl.METRICS: {"train_loss", "train_flops"}
     }
     assert sim.server.check_reply(cid, update) is None
     # the client state (BatchNorm statistics) stays on the node, in context.state
@@ -236,6 +236,8 @@ def test_loopback_deployment_runs_mh_pfedhn_like_the_simulator(cfg, tmp_path, de
     final = records[-1]
     assert final["eval_missing"] == [] and final["replied"] == [0, 1, 2]
     assert (run / "summary.md").exists()
+    # each client measures its training FLOPs and reports them: the simulator's count
+    assert final["flops_round"] == Simulation(cfg).run_round(3).flops > 0
 
     wire = _wire(run)
     joins = [w for w in wire if w["type"] == fl.JOIN]

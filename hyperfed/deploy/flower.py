@@ -68,7 +68,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.config import ConfigError, ExperimentConfig, load_config, to_toml
 from hyperfed.data.federated import FederatedData
 from hyperfed.deploy.launch import centralized
-from hyperfed.engine.local import evaluate_clients
+from hyperfed.engine.local import FlopMeter, evaluate_clients
 from hyperfed.engine.rundir import RunDir, atomic_write_bytes
 from hyperfed.engine.simulate import (
     build_models,
@@ -78,7 +78,6 @@ from hyperfed.engine.simulate import (
     resolve_device,
     resolve_sgd,
     sample_clients,
-    train_flops_per_sample,
 )
 from hyperfed.models.layout import FunctionalModel
 
@@ -223,9 +222,11 @@ class ClientRuntime:
 
     def fit(self, rnd: int, msg: Payload, context: Context) -> tuple[Payload, dict[str, float]]:
         state = self.load_state(context)
-        reply, new_state, loss = self.client.fit(self.group(rnd), stack_payloads([msg]), state)
+        with FlopMeter() as meter:  # measured here, reported to the server (it cannot see)
+            reply, new_state, loss = self.client.fit(self.group(rnd), stack_payloads([msg]), state)
         self.save_state(context, new_state)
-        return unstack_payload(reply, 1)[0], {"train_loss": float(loss.reshape(-1)[0])}
+        metrics = {"train_loss": float(loss.reshape(-1)[0]), "train_flops": float(meter.total)}
+        return unstack_payload(reply, 1)[0], metrics
 
     def setup(self, stage: int, msg: Payload, context: Context) -> tuple[Payload, dict[str, float]]:
         state = self.load_state(context)
@@ -465,11 +466,6 @@ class Deployment:
         cfg = self.cfg
         ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir)  # shape and classes only
         self.models = build_models(cfg, ds.input_shape, ds.num_classes, self.device)
-        self.flops_per_sample = {
-            n: train_flops_per_sample(fm, ds.input_shape, self.device)
-            for n, fm in self.models.items()
-        }
-        self.sgd = resolve_sgd(cfg, self.algorithm.local_defaults)
         ctx = ServerContext(
             cfg.seed, self.device, ds.num_classes, ds.input_shape, self.models, cfg.rounds
         )
@@ -527,27 +523,25 @@ class Deployment:
         got = self.exchange(TRAIN, msgs, {"round": rnd}, str(rnd))
         replies: dict[int, Payload] = {}
         rejected, losses, up = [], [], 0
+        flops = 0
         for cid, reply in got.items():
             payload = record_to_payload(reply.content, self.device)
             up += payload_bytes(payload)  # rejected updates crossed the wire too
+            metrics: dict[str, Any] = dict(reply.content.metric_records.get(METRICS, {}))
+            reported = metrics.get("train_flops")  # what the client measured (engine.local)
+            if isinstance(reported, int | float) and math.isfinite(reported) and reported >= 0:
+                flops += int(reported)  # rejected updates were trained too (as the simulator)
             problem = server.check_reply(cid, payload)
             if problem:
                 log.warning("round %d: rejected update from client %d: %s", rnd, cid, problem)
                 rejected.append(cid)
                 continue
             replies[cid] = payload
-            metrics: dict[str, Any] = dict(reply.content.metric_records.get(METRICS, {}))
             loss = metrics.get("train_loss")
             if isinstance(loss, float):
                 losses.append(loss)
         server.aggregate(rnd, self._ordered(replies))
         down = sum(payload_bytes(msgs[c]) for c in cids)
-        flops = 0
-        for c in replies:
-            steps = math.ceil(
-                self.sgd.epochs * int(server.clients[c]["num_samples"]) / self.sgd.batch_size
-            )
-            flops += steps * self.sgd.batch_size * self.flops_per_sample[self.arch_of[c]]
         self.totals["bytes_up"] += up
         self.totals["bytes_down"] += down
         self.totals["flops"] += flops
