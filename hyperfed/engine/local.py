@@ -13,6 +13,10 @@ BatchNorm always sees full batches). Clients that finished their steps are maske
 parameters, momentum and BatchNorm statistics stay as they are while the others go on.
 The shuffles come from a generator seeded per (run seed, round, client), so a client's
 batches do not depend on which other clients share its group, nor on the execution path.
+
+Execution paths: the vmapped step (GPU default), the same step client after client with
+plain autograd (CPU default), each vmapped step replayed as a CUDA graph (``cuda_graphs``),
+and :func:`train_reference`. :class:`FlopMeter` measures what any of them trains.
 """
 
 from __future__ import annotations
