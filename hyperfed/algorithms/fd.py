@@ -29,18 +29,16 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import (
     Algorithm,
-    ClientGroup,
     Payload,
-    PersonalModelClient,
     Server,
     ServerContext,
 )
+from hyperfed.algorithms.fedproto import ClassStatsClient
+from hyperfed.engine.local import LossFn
 from hyperfed.engine.losses import (
     check_class_payload,
-    class_means,
     class_sums,
     kd_loss,
-    pack_classes,
 )
 from hyperfed.models.layout import FunctionalModel
 
@@ -119,24 +117,16 @@ class FDServer(Server):
             self.report_counts[self.slot[c]] = n
 
 
-class FDClient(PersonalModelClient):
+class FDClient(ClassStatsClient):
+    keys = KEYS
+    features = False  # FD reports per-label average logits
+
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         return {"num_samples": torch.tensor(num_samples, dtype=torch.int64)}
 
-    def fit(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
-    ) -> tuple[Payload, dict[str, Tensor], Tensor]:
-        theta, buffers, loss = group.train(
-            state["theta"],
-            state["buffers"],
-            loss_fn=partial(fd_loss, kd_weight=self.hp.kd_weight, temperature=self.hp.temperature),
-            ctx={"global_logits": msg["global_logits"], "global_mask": msg["global_mask"]},
-        )
-        means, counts = class_means(
-            group.fm, theta, buffers, group.data, group.client_ids, features=False
-        )
-        reply = dict(zip(KEYS, pack_classes(means, counts)))
-        return reply, {"theta": theta, "buffers": buffers}, loss
+    def loss(self, msg: Payload) -> tuple[LossFn, dict[str, Tensor]]:
+        ctx = {"global_logits": msg["global_logits"], "global_mask": msg["global_mask"]}
+        return partial(fd_loss, kd_weight=self.hp.kd_weight, temperature=self.hp.temperature), ctx
 
 
 ALGORITHM = Algorithm(

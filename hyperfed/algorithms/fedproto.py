@@ -42,6 +42,7 @@ from hyperfed.algorithms.base import (
     ServerContext,
 )
 from hyperfed.config import ConfigError
+from hyperfed.engine.local import LossFn
 from hyperfed.engine.losses import check_class_payload, class_means, class_sums, pack_classes
 from hyperfed.models.layout import FunctionalModel
 
@@ -115,7 +116,32 @@ class FedProtoServer(Server):
         self.proto_mask = torch.maximum(self.proto_mask, seen.to(self.proto_mask.dtype))
 
 
-class FedProtoClient(PersonalModelClient):
+class ClassStatsClient(PersonalModelClient):
+    """Trains its own model with :meth:`loss` (given the server's message), then reports the
+    per-class means of its model's outputs on its training split as ``keys``: FedProto's
+    representations (``features``), FD's logits."""
+
+    keys: tuple[str, ...] = KEYS
+    features = True
+
+    def loss(self, msg: Payload) -> tuple[LossFn, dict[str, Tensor]]:
+        raise NotImplementedError
+
+    def fit(
+        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+    ) -> tuple[Payload, dict[str, Tensor], Tensor]:
+        loss_fn, ctx = self.loss(msg)
+        theta, buffers, loss = group.train(
+            state["theta"], state["buffers"], loss_fn=loss_fn, ctx=ctx
+        )
+        means, counts = class_means(
+            group.fm, theta, buffers, group.data, group.client_ids, features=self.features
+        )
+        reply = dict(zip(self.keys, pack_classes(means, counts)))
+        return reply, {"theta": theta, "buffers": buffers}, loss
+
+
+class FedProtoClient(ClassStatsClient):
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         feature_dim = fm.module.feature_dim  # the input size of the zoo model's last Linear
         if not isinstance(feature_dim, int):
@@ -125,20 +151,9 @@ class FedProtoClient(PersonalModelClient):
             "feature_dim": torch.tensor(feature_dim, dtype=torch.int64),
         }
 
-    def fit(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
-    ) -> tuple[Payload, dict[str, Tensor], Tensor]:
-        theta, buffers, loss = group.train(
-            state["theta"],
-            state["buffers"],
-            loss_fn=partial(proto_loss, lam=self.hp.lam),
-            ctx={"protos": msg["protos"], "proto_mask": msg["proto_mask"]},
-        )
-        means, counts = class_means(
-            group.fm, theta, buffers, group.data, group.client_ids, features=True
-        )
-        reply = dict(zip(KEYS, pack_classes(means, counts)))
-        return reply, {"theta": theta, "buffers": buffers}, loss
+    def loss(self, msg: Payload) -> tuple[LossFn, dict[str, Tensor]]:
+        ctx = {"protos": msg["protos"], "proto_mask": msg["proto_mask"]}
+        return partial(proto_loss, lam=self.hp.lam), ctx
 
 
 ALGORITHM = Algorithm(
