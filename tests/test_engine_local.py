@@ -14,7 +14,7 @@ from hyperfed.engine.local import (
     train_clients,
     train_reference,
 )
-from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.models.zoo import build_model
 
 # HYPERFED_TEST_DEVICE=cuda runs the equality tests on a GPU (TF32 off: exact fp32 there too).
@@ -56,14 +56,17 @@ def test_vectorized_equals_reference(name, dtype, tol, digits_data):
     ref_t, ref_b = train_reference(
         copy.deepcopy(fm.module), fm, theta, buffers, digits_data, plan, sgd
     )
-    paths = [(True, sgd), (False, sgd)]
+    # (vectorize, sgd, channels-last activations): vmap ignores the channels-last switch
+    paths = [(True, sgd, False), (False, sgd, False), (False, sgd, True), (True, sgd, True)]
     if DEVICE.type == "cuda":  # the same steps replayed as CUDA graphs
-        paths.append((True, dataclasses.replace(sgd, cuda_graphs="on")))
-    for vectorize, path_sgd in paths:
-        t, b, loss = train_clients(
-            fm, theta, buffers, digits_data, plan, path_sgd, vectorize=vectorize
-        )
-        assert torch.allclose(t, ref_t, atol=tol, rtol=1e-4), (vectorize, (t - ref_t).abs().max())
+        paths.append((True, dataclasses.replace(sgd, cuda_graphs="on"), False))
+    for vectorize, path_sgd, nhwc in paths:
+        with channels_last(nhwc):
+            t, b, loss = train_clients(
+                fm, theta, buffers, digits_data, plan, path_sgd, vectorize=vectorize
+            )
+        err = (t - ref_t).abs().max()
+        assert torch.allclose(t, ref_t, atol=tol, rtol=1e-4), (vectorize, nhwc, err)
         if fm.num_buffers:
             assert torch.allclose(b, ref_b, atol=tol, rtol=1e-4), (b - ref_b).abs().max()
         assert torch.isfinite(loss).all() and loss.shape == (4,)
@@ -107,3 +110,30 @@ def test_frozen_entries_do_not_move(digits_data):
     t, _, _ = train_clients(fm, theta, buffers, digits_data, plan, sgd, trainable=mask)
     assert torch.equal(t[:, ~mask], theta[:, ~mask])
     assert not torch.equal(t[:, mask], theta[:, mask])
+
+
+def test_channels_last_is_the_same_function_and_is_scoped():
+    torch.manual_seed(0)
+    fm = FunctionalModel(build_model("resnet10", (3, 16, 16), 5).double())
+    theta, buffers = fm.initial_params(), fm.initial_buffers()
+    x, y = torch.randn(6, 3, 16, 16, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 4, 0])
+
+    def grads_and_stats():
+        leaf = theta.clone().requires_grad_(True)
+        out, new_buffers = fm.forward_train(leaf, buffers, x)
+        (g,) = torch.autograd.grad(torch.nn.functional.cross_entropy(out, y), leaf)
+        return g, new_buffers, fm.forward(theta, buffers, x)
+
+    plain = grads_and_stats()
+    with channels_last():
+        seen = []
+        hook = fm.module.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+        nhwc = grads_and_stats()
+        hook.remove()
+    assert seen[0].is_contiguous(memory_format=torch.channels_last)
+    for a, b in zip(plain, nhwc):
+        assert torch.allclose(a, b, atol=1e-12), (a - b).abs().max()
+    seen.clear()
+    hook = fm.module.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    fm.forward(theta, buffers, x)  # outside the block: the caller's layout again
+    assert seen[0].is_contiguous() and not seen[0].is_contiguous(memory_format=torch.channels_last)

@@ -78,8 +78,9 @@ from hyperfed.engine.simulate import (
     resolve_device,
     resolve_sgd,
     sample_clients,
+    use_channels_last,
 )
-from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.layout import FunctionalModel, channels_last
 
 log = logging.getLogger("hyperfed.flower")
 
@@ -222,7 +223,8 @@ class ClientRuntime:
 
     def fit(self, rnd: int, msg: Payload, context: Context) -> tuple[Payload, dict[str, float]]:
         state = self.load_state(context)
-        with FlopMeter() as meter:  # measured here, reported to the server (it cannot see)
+        # FLOPs measured here, reported to the server (it cannot see them)
+        with FlopMeter() as meter, channels_last(use_channels_last(self.cfg, self.device)):
             reply, new_state, loss = self.client.fit(self.group(rnd), stack_payloads([msg]), state)
         self.save_state(context, new_state)
         metrics = {"train_loss": float(loss.reshape(-1)[0]), "train_flops": float(meter.total)}
@@ -239,7 +241,10 @@ class ClientRuntime:
     def evaluate(self, msg: Payload, context: Context) -> dict[str, float]:
         state = self.load_state(context)
         theta, buffers = self.client.eval_model(self.group(-1), stack_payloads([msg]), state)
-        ok, total, loss = evaluate_clients(self.fm, theta, buffers, self.data, [self.cid], "test")
+        with channels_last(use_channels_last(self.cfg, self.device)):
+            ok, total, loss = evaluate_clients(
+                self.fm, theta, buffers, self.data, [self.cid], "test"
+            )
         return {"correct": float(ok[0]), "total": float(total[0]), "loss_sum": float(loss[0])}
 
 

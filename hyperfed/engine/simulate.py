@@ -37,7 +37,7 @@ from hyperfed.data.sources import load_dataset
 from hyperfed.engine.decentralized import Gossip, decentralized_round
 from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients
 from hyperfed.engine.rundir import RunDir
-from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.models.zoo import ModelInputError, build_model, check_input
 
 log = logging.getLogger("hyperfed")
@@ -95,6 +95,12 @@ def execution_path(cfg: ExperimentConfig, device: torch.device) -> tuple[bool, b
     the loop 1.13x the reference loop's speed, vmap 0.88x)."""
     mode = cfg.local.vectorize
     return mode == "on" or (mode == "auto" and device.type == "cuda"), mode == "reference"
+
+
+def use_channels_last(cfg: ExperimentConfig, device: torch.device) -> bool:
+    """``local.channels_last``; "auto" = on for CPU runs (the only device it was measured on)."""
+    mode = cfg.local.channels_last
+    return mode == "on" or (mode == "auto" and device.type == "cpu")
 
 
 def load_federation(cfg: ExperimentConfig, device: torch.device) -> FederatedData:
@@ -178,6 +184,7 @@ class Simulation:
             data = load_federation(cfg, self.device)
         self.data = data
         self.vectorize, self.reference = execution_path(cfg, self.device)
+        self.nhwc = use_channels_last(cfg, self.device)
 
         self.models = build_models(cfg, data.input_shape, data.num_classes, self.device)
         self.groups = client_groups(self.arch_of)
@@ -247,6 +254,10 @@ class Simulation:
         return replies, losses, meter.total
 
     def run_round(self, rnd: int) -> RoundResult:
+        with channels_last(self.nhwc):
+            return self._run_round(rnd)
+
+    def _run_round(self, rnd: int) -> RoundResult:
         if self.gossip is not None:
             return decentralized_round(self, rnd)
         cids = sample_clients(
@@ -284,6 +295,10 @@ class Simulation:
     def run_setup(self) -> dict[str, Any]:
         """Every client takes part in each setup stage the server configures (base.py); their
         bytes go into the totals. Returns (and keeps) seconds, bytes and the clients' stats."""
+        with channels_last(self.nhwc):
+            return self._run_setup()
+
+    def _run_setup(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         cids = list(range(self.cfg.clients.count))
         up = down = 0
@@ -333,6 +348,10 @@ class Simulation:
     # -- evaluation --------------------------------------------------------------------
     def evaluate(self, split: str = "test") -> dict[str, Any]:
         """Every client's personalized model on its own split (DESIGN: what accuracy means)."""
+        with channels_last(self.nhwc):
+            return self._evaluate(split)
+
+    def _evaluate(self, split: str) -> dict[str, Any]:
         n = self.cfg.clients.count
         correct = torch.zeros(n)
         total = torch.zeros(n)
