@@ -55,6 +55,7 @@ def run_summary(path: str | Path) -> dict[str, Any]:
         "up_mb_total": final.get("bytes_up_total", 0) / 1e6,
         "down_mb_total": final.get("bytes_down_total", 0) / 1e6,
         "gflops_per_round": final.get("flops_total", 0) / rounds / 1e9,
+        "server_gflops_per_round": final.get("flops_server_total", 0) / rounds / 1e9,
         "seconds": final.get("seconds"),
         "records": records,
     }
@@ -73,7 +74,8 @@ def rounds_to_reach(records: list[dict[str, Any]], target: float) -> int | None:
 def markdown_table(summaries: list[dict[str, Any]], target: float | None = None) -> str:
     head = (
         "| run | algorithm | dataset | clients | round | mean acc (final) | weighted | min | max "
-        "| std | best mean acc (round) | upload MB/client/round | upload MB total | GFLOPs/round |"
+        "| std | best mean acc (round) | upload MB/client/round | upload MB total | GFLOPs/round "
+        "(clients) | GFLOPs/round (server) |"
     )
     if target is not None:  # seed 002 Fig. 5: what it costs to get there
         head += f" rounds to {target:.0%} | upload MB to {target:.0%} | TFLOPs to {target:.0%} |"
@@ -84,7 +86,7 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
             f"| {s['final_mean_acc']:.4f} | {s['final_weighted_acc']:.4f} | {s['min_acc']:.4f} "
             f"| {s['max_acc']:.4f} | {s['std_acc']:.4f} | {s['best_mean_acc']:.4f} "
             f"({s['best_round']}) | {s['up_mb_per_client_round']:.4f} | {s['up_mb_total']:.2f} "
-            f"| {s['gflops_per_round']:.3f} |"
+            f"| {s['gflops_per_round']:.3f} | {s['server_gflops_per_round']:.3f} |"
         )
         if target is not None:
             r = first_reaching(s["records"], target)

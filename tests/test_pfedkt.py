@@ -223,3 +223,26 @@ def test_server_is_fedavg_weighted_by_samples():
     server.aggregate(1, {0: {"theta": a}, 1: {"theta": b}})
     (theta,) = server.configure_train(2, [0])[0].values()
     assert torch.allclose(theta, torch.full_like(a, 0.75))
+
+
+def test_local_hypernetwork_flops_are_counted_for_the_client():
+    """The chunked hypernetwork's FLOPs by hand: one generation F = 2 * chunks * (e*h + h*h +
+    h*chunk) per client; the update's VJP recomputes it and back-propagates into both operands
+    of each product (3F). With and without the hypernetwork the local training is the same."""
+    base = [
+        "device=cpu",
+        "dataset.name=digits",
+        "dataset.subsample=200",
+        "clients.count=2",
+        "clients.models=lenet",
+        "local.epochs=1",
+        "algorithm.name=pfedkt",
+    ]
+    with_hn = Simulation(load_config(None, base)).run_round(1).flops
+    without = Simulation(load_config(None, [*base, "algorithm.use_hypernet=false"]))
+    without_flops = without.run_round(1).flops
+    hp = PFedKTParams()
+    hn = ChunkedHypernet(without.models["lenet"].num_params)
+    e, h, k = hp.emb_dim, hp.hidden, hp.chunk
+    generation = 2 * hn.num_chunks * (e * h + h * h * hp.n_hidden + h * k)
+    assert with_hn - without_flops == 2 * 4 * generation > 0

@@ -238,3 +238,19 @@ def test_a_second_trained_model_shows_in_the_flops():
     local = _sim("algorithm.name=local", "clients.count=2").run_round(1).flops
     fml = _sim('algorithm={name="fml", shared_model="lenet"}', "clients.count=2").run_round(1).flops
     assert fml > local > 0
+
+
+def test_server_flops_are_the_hypernetworks_and_kept_apart_from_the_clients():
+    """MH-pFedHN's server generates and updates with a hypernetwork: counted as server FLOPs,
+    not in the clients' figure. FedAvg's weighted average is one [1, C] x [C, K] product
+    (2 C K FLOPs); Local has no server work."""
+    mh = _sim("algorithm.name=mh_pfedhn", "clients.count=3", "rounds=1")
+    local = _sim("algorithm.name=local", "clients.count=3", "rounds=1")
+    fedavg = _sim("algorithm.name=fedavg", "clients.count=3", "rounds=1")
+    results = {n: s.run_round(1) for n, s in [("mh", mh), ("local", local), ("fedavg", fedavg)]}
+    assert results["mh"].flops == results["local"].flops > 0  # same local training
+    assert results["mh"].server_flops > 0
+    assert results["local"].server_flops == 0
+    assert results["fedavg"].server_flops == 2 * 3 * fedavg.models["lenet"].num_params
+    record = mh.run()[-1]
+    assert record["flops_server_total"] == mh.totals["flops_server"] > results["mh"].server_flops

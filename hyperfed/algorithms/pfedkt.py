@@ -45,7 +45,7 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import Algorithm, Client, ClientContext, ClientGroup, Payload
 from hyperfed.algorithms.fedavg import FedAvgServer
-from hyperfed.engine.local import LossFn
+from hyperfed.engine.local import FlopMeter, LossFn
 from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, update
 from hyperfed.models.layout import FunctionalModel
 
@@ -209,7 +209,8 @@ class PFedKTClient(Client):
         hp = self.hp
         glob = msg["theta"]
         hn = self.hypernet(group.fm) if hp.use_hypernet else None
-        theta0 = hn.generate(state["hn"]).detach() if hn is not None else glob
+        with FlopMeter.counting():  # the local hypernetwork's FLOPs are the client's too
+            theta0 = hn.generate(state["hn"]).detach() if hn is not None else glob
         ctx = {"global": glob, "prev": state["theta_prev"]}
         use_con = hp.use_contrastive and hp.mu > 0
         theta, buffers, loss = group.train(
@@ -218,7 +219,8 @@ class PFedKTClient(Client):
         new_state = {**state, "theta_prev": theta, "buffers": buffers}
         if hn is not None:
             opt_state = {k: v for k, v in state.items() if k.startswith("hn_")}
-            phi, opt_state = update(hn, self.opt, state["hn"], theta0, theta, opt_state)
+            with FlopMeter.counting():
+                phi, opt_state = update(hn, self.opt, state["hn"], theta0, theta, opt_state)
             new_state.update(hn=phi.detach(), **opt_state)
         return {"theta": theta}, new_state, loss
 

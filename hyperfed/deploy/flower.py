@@ -68,7 +68,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.config import ConfigError, ExperimentConfig, load_config, to_toml
 from hyperfed.data.federated import FederatedData
 from hyperfed.deploy.launch import centralized
-from hyperfed.engine.local import FlopMeter, evaluate_clients
+from hyperfed.engine.local import FlopMeter, evaluate_clients, measured_flops
 from hyperfed.engine.rundir import RunDir, atomic_write_bytes
 from hyperfed.engine.simulate import (
     build_models,
@@ -358,7 +358,7 @@ class Deployment:
         self.groups = client_groups(self.arch_of)
         self.node_of: dict[int, int] = {}  # client id -> Flower node id
         self.server: Server | None = None
-        self.totals = {"bytes_up": 0, "bytes_down": 0, "flops": 0}
+        self.totals = {"bytes_up": 0, "bytes_down": 0, "flops": 0, "flops_server": 0}
         self.setup_info: dict[str, Any] = {}
 
     # -- messaging ------------------------------------------------------------------------
@@ -524,7 +524,7 @@ class Deployment:
         )
         online = self.online()
         cids = [c for c in cids if c in online]
-        msgs = server.configure_train(rnd, cids)
+        msgs, server_flops = measured_flops(server.configure_train, rnd, cids)
         got = self.exchange(TRAIN, msgs, {"round": rnd}, str(rnd))
         replies: dict[int, Payload] = {}
         rejected, losses, up = [], [], 0
@@ -545,11 +545,12 @@ class Deployment:
             loss = metrics.get("train_loss")
             if isinstance(loss, float):
                 losses.append(loss)
-        server.aggregate(rnd, self._ordered(replies))
+        server_flops += measured_flops(server.aggregate, rnd, self._ordered(replies))[1]
         down = sum(payload_bytes(msgs[c]) for c in cids)
         self.totals["bytes_up"] += up
         self.totals["bytes_down"] += down
         self.totals["flops"] += flops
+        self.totals["flops_server"] += server_flops
         return {
             "clients": cids,
             "replied": sorted(replies),
@@ -558,6 +559,7 @@ class Deployment:
             "bytes_up": up,
             "bytes_down": down,
             "flops": flops,
+            "server_flops": server_flops,
         }
 
     def evaluate(self, server: Server, rnd: int) -> dict[str, Any]:
@@ -644,6 +646,8 @@ class Deployment:
                     "bytes_down_total": self.totals["bytes_down"],
                     "flops_round": result["flops"],
                     "flops_total": self.totals["flops"],
+                    "flops_server_round": result["server_flops"],
+                    "flops_server_total": self.totals["flops_server"],
                     "num_clients": self.n,
                     "nodes": len(self.node_of),
                     "seconds": round(time.perf_counter() - t0, 3),

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ from hyperfed.data.federated import FederatedData
 from hyperfed.models.layout import FunctionalModel
 
 log = logging.getLogger("hyperfed")
+T = TypeVar("T")
 
 # loss_fn(fm, theta, buffers, x, y, ctx) -> (loss, new_buffers); ctx holds per-client extras
 LossFn = Callable[[FunctionalModel, Tensor, Tensor, Tensor, Tensor, dict[str, Tensor]], tuple]
@@ -78,6 +81,28 @@ class FlopMeter:
 
     def __exit__(self, *exc: object) -> None:
         FlopMeter.active.remove(self)
+
+    @staticmethod
+    @contextmanager
+    def counting() -> Iterator[None]:
+        """Count every op run inside with torch's flop counter into the active meters: for
+        the few large ops outside local training (hypernetwork generation and update)."""
+        if not FlopMeter.active:
+            yield
+            return
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            yield
+        for meter in FlopMeter.active:
+            meter.total += int(counter.get_total_flops())
+
+
+def measured_flops(fn: Callable[..., T], *args: object) -> tuple[T, int]:
+    """``fn(*args)`` and the FLOPs of its ops (the server's round work, e.g. a hypernetwork)."""
+    with FlopMeter() as meter, FlopMeter.counting():
+        out = fn(*args)
+    return out, meter.total
 
 
 _STEP_FLOPS: dict[tuple, int] = {}

@@ -35,7 +35,7 @@ from hyperfed.config import ConfigError, ExperimentConfig, to_toml
 from hyperfed.data.federated import FederatedData, federate
 from hyperfed.data.sources import load_dataset
 from hyperfed.engine.decentralized import Gossip, decentralized_round
-from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients
+from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients, measured_flops
 from hyperfed.engine.rundir import RunDir
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.models.zoo import ModelInputError, build_model, check_input
@@ -160,8 +160,9 @@ class RoundResult:
     train_loss: float
     bytes_up: int
     bytes_down: int
-    flops: int
+    flops: int  # the clients' (local training and whatever else they run, measured)
     rejected: list[int] = field(default_factory=list)
+    server_flops: int = 0  # the server's round work (hypernetwork generation and update)
     extra: dict[str, float] = field(default_factory=dict)  # algorithm-kind specific metrics
 
 
@@ -207,7 +208,7 @@ class Simulation:
             for i, cid in enumerate(cids):
                 self.store[cid] = {k: v[i].to(self.device) for k, v in state.items()}
         self.bytes_join = sum(payload_bytes(p) for p in self.joins.values())
-        self.totals = {"bytes_up": self.bytes_join, "bytes_down": 0, "flops": 0}
+        self.totals = {"bytes_up": self.bytes_join, "bytes_down": 0, "flops": 0, "flops_server": 0}
         # decentralized algorithms: no server, gossip over a graph (engine/decentralized.py)
         decentralized = self.algorithm.kind == "decentralized"
         self.gossip = Gossip(self.hp, cfg.clients.count, cfg.seed) if decentralized else None
@@ -267,7 +268,7 @@ class Simulation:
             rnd,
             self.server.eligible_clients(rnd),
         )
-        msgs = self.server.configure_train(rnd, cids)
+        msgs, server_flops = measured_flops(self.server.configure_train, rnd, cids)
         replies, losses, flops = self.fit_groups(rnd, cids, msgs)
         bytes_up = sum(payload_bytes(p) for p in replies.values())  # rejected ones were sent too
         rejected = []
@@ -277,7 +278,7 @@ class Simulation:
                 log.warning("round %d: rejected update from client %d: %s", rnd, c, problem)
                 rejected.append(c)
                 del replies[c]
-        self.server.aggregate(rnd, replies)
+        server_flops += measured_flops(self.server.aggregate, rnd, replies)[1]
         result = RoundResult(
             clients=cids,
             train_loss=float(torch.cat(losses).mean()) if losses else float("nan"),
@@ -285,10 +286,12 @@ class Simulation:
             bytes_down=sum(payload_bytes(msgs[c]) for c in cids),
             flops=flops,
             rejected=rejected,
+            server_flops=server_flops,
         )
         self.totals["bytes_up"] += result.bytes_up
         self.totals["bytes_down"] += result.bytes_down
         self.totals["flops"] += flops
+        self.totals["flops_server"] += server_flops
         return result
 
     # -- the one-off setup exchanges before round 1 --------------------------------------
@@ -401,7 +404,7 @@ class Simulation:
         self.store = {
             int(c): {k: v.to(self.device) for k, v in s.items()} for c, s in state["store"].items()
         }
-        self.totals = dict(state["totals"])
+        self.totals.update(state["totals"])  # a checkpoint may predate a counter
         self.setup_info = dict(state.get("setup_info", {}))
         self.seconds_before = float(state.get("seconds", 0.0))  # a resumed run's clock goes on
         return int(state["round"])
@@ -447,6 +450,8 @@ class Simulation:
                     "bytes_down_total": self.totals["bytes_down"],
                     "flops_round": result.flops,
                     "flops_total": self.totals["flops"],
+                    "flops_server_round": result.server_flops,
+                    "flops_server_total": self.totals["flops_server"],
                     **result.extra,
                     "num_clients": n,
                     "seconds": self.elapsed(),
