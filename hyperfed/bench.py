@@ -5,7 +5,8 @@ shape (synthetic uint8 -- speed does not depend on the pixels), E = 2, batch 64,
 every 10 rounds. Each execution path runs the same rounds from the same seed:
 
 - ``reference``: per client, an ``nn.Module`` and ``torch.optim.SGD`` (the papers' code);
-- ``loop``: the engine's functional step, client after client;
+- ``loop``: the engine's functional step, client after client (with channels-last
+  activations on a CPU, ``local.channels_last``); ``loop-nchw``: the same without them;
 - ``vmap``: the engine, all clients of one architecture in one vmapped step;
 - ``graphs`` (GPU): ``vmap`` with each step replayed as one captured CUDA graph.
 
@@ -22,12 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hyperfed.config import ExperimentConfig, load_config
+from hyperfed.config import ConfigError, ExperimentConfig, load_config
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import GRAPH_STATS
-from hyperfed.engine.simulate import Simulation, resolve_device
+from hyperfed.engine.simulate import Simulation, resolve_device, use_channels_last
 
 HETERO = ["lenet", "vgg8", "resnet10", "resnet12", "resnet18"]
+# path -> local.vectorize
+MODES = {"reference": "reference", "loop": "off", "loop-nchw": "off", "vmap": "on", "graphs": "on"}
 
 
 def synthetic_federation(
@@ -83,7 +86,7 @@ def _bench_config(
     epochs: int,
     mode: str,
 ) -> ExperimentConfig:
-    vectorize = {"reference": "reference", "loop": "off", "vmap": "on", "graphs": "on"}[mode]
+    vectorize = MODES[mode]
     return load_config(
         None,
         [
@@ -97,6 +100,7 @@ def _bench_config(
             f"device={device.type}",
             f"rounds={rounds}",
             f"local.cuda_graphs={'on' if mode == 'graphs' else 'off'}",
+            f"local.channels_last={'off' if mode == 'loop-nchw' else 'auto'}",
         ],
     )
 
@@ -176,6 +180,9 @@ def run_benchmark(
     profile: bool = False,
     printer=print,  # type: ignore[no-untyped-def]
 ) -> list[BenchResult]:
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ConfigError(f"--modes: unknown path(s) {unknown}; choose from {', '.join(MODES)}")
     dev = resolve_device(device)
     data = synthetic_federation(clients, samples, shape, classes).to(dev)
     models = HETERO if hetero else ["lenet"]
@@ -185,6 +192,9 @@ def run_benchmark(
         f"{classes} classes, models {models}, E={epochs}, batch {batch_size}, eval every 10 "
         f"rounds; device {name} ({torch.get_num_threads()} threads), torch {torch.__version__}"
     )
+    loop_cfg = _bench_config(data, models, 1, algorithm, dev, batch_size, epochs, "loop")
+    nhwc = "on" if use_channels_last(loop_cfg, dev) else "off"
+    printer(f"channels-last activations in the engine's loop and evaluation: {nhwc}")
     if profile:
         fast = "graphs" if dev.type == "cuda" else "loop"
         printer(f"profile of one {fast} round:")

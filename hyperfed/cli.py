@@ -245,7 +245,10 @@ def bench(
     ] = False,
     rounds: Annotated[int, typer.Option(help="Timed rounds per path (after one warm-up).")] = 2,
     modes: Annotated[
-        str, typer.Option(help="Paths to time, comma-separated: reference, loop, vmap, graphs.")
+        str,
+        typer.Option(
+            help="Paths to time, comma-separated: reference, loop, loop-nchw, vmap, graphs."
+        ),
     ] = "reference,loop,vmap",
     algorithm: Annotated[str, typer.Option(help="Algorithm to time.")] = "mh_pfedhn",
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",

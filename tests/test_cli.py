@@ -305,3 +305,22 @@ def test_run_into_a_folder_that_holds_a_run_needs_force(tmp_path):
     assert (out / "metrics.jsonl").read_text() == before  # nothing changed
     result = invoke("run", *args, "--force")
     assert result.exit_code == 0, (result.output, result.exception)
+
+
+# -- bench -------------------------------------------------------------------------------------
+
+
+def test_bench_times_every_path_and_prints_the_ratio_table():
+    small = ["--clients", "2", "--samples", "40", "--shape", "1,8,8", "--classes", "3"]
+    paths = "reference,loop,loop-nchw"
+    result = invoke("bench", *small, "--rounds", "1", "--epochs", "1", "--modes", paths)
+    assert result.exit_code == 0, result.output
+    assert "channels-last activations in the engine's loop and evaluation: on" in result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows] == ["path", *paths.split(",")]
+    assert rows[1].split("|")[3].strip() == "1.00x"  # the reference against itself
+
+
+def test_bench_unknown_path_is_a_one_line_error():
+    result = invoke("bench", "--modes", "reference,warp", "--device", "cpu")
+    _assert_one_line_error(result, "warp", "loop-nchw")
