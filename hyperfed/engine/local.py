@@ -15,8 +15,10 @@ The shuffles come from a generator seeded per (run seed, round, client), so a cl
 batches do not depend on which other clients share its group, nor on the execution path.
 
 Execution paths: the vmapped step (GPU default), the same step client after client with
-plain autograd (CPU default), each vmapped step replayed as a CUDA graph (``cuda_graphs``),
-and :func:`train_reference`. :class:`FlopMeter` measures what any of them trains.
+plain autograd (CPU default; with channels-last activations inside
+:func:`hyperfed.models.layout.channels_last`), each vmapped step replayed as a CUDA graph
+(``cuda_graphs``), and :func:`train_reference`. :class:`FlopMeter` measures what any of them
+trains.
 """
 
 from __future__ import annotations
