@@ -92,6 +92,15 @@ def test_lg_fedavg_refuses_heads_that_differ_in_size():
         _sim("lg_fedavg")  # lenet's and vgg8's fc layers differ; only the classifier matches
 
 
+def test_fedproto_refuses_representations_of_different_widths():
+    from hyperfed.bench import synthetic_federation
+
+    data = synthetic_federation(2, 20, (1, 28, 28), 10)
+    cfg = ["device=cpu", "clients.count=2", "algorithm.name=fedproto"]
+    with pytest.raises(ConfigError, match=r"one representation size .*\[64, 500\]"):
+        Simulation(load_config(None, [*cfg, 'clients.models=["lenet","cnn1"]']), data=data)
+
+
 def test_lg_fedavg_client_evaluates_its_body_under_the_global_head():
     sim = _sim("lg_fedavg", "algorithm.global_layers=classifier")
     _run(sim)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hyperfed.config import ConfigError
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import (
     BatchPlan,
@@ -56,6 +57,15 @@ def stack_payloads(payloads: list[Payload]) -> Payload:
 
 def unstack_payload(payload: Payload, n: int) -> list[Payload]:
     return [{k: v[i] for k, v in payload.items()} for i in range(n)]
+
+
+def shared_join_value(clients: dict[int, Payload], key: str, problem: str) -> int:
+    """The join value ``key`` that every client must report alike (a feature width, the size
+    of the shared layers); otherwise a ConfigError, ``problem`` formatted with ``{values}``."""
+    values = sorted({int(p[key]) for p in clients.values()})
+    if len(values) > 1:
+        raise ConfigError(problem.format(values=values))
+    return values[0]
 
 
 @dataclass

@@ -63,15 +63,12 @@ def fedkd_loss(
     temperature: float,
 ) -> tuple[Tensor, Tensor]:
     """Mentor + mentee losses with the adaptive distillation weight 1 / (L_t + L_s)."""
-    th_t, th_s = pair.split(theta)
-    bu_t, bu_s = pair.split_buffers(buffers)
-    z_t, bu_t = pair.a.forward_train(th_t, bu_t, x)
-    z_s, bu_s = pair.b.forward_train(th_s, bu_s, x)
+    z_t, z_s, new_buffers = pair.forward_train_both(theta, buffers, x)
     task_t, task_s = F.cross_entropy(z_t, y), F.cross_entropy(z_s, y)
     w = 1.0 / (task_t + task_s).detach().clamp(min=1e-8)
     loss_t = task_t + w * kd_loss(z_t, z_s, temperature)
     loss_s = task_s + w * kd_loss(z_s, z_t, temperature)
-    return loss_t + loss_s, pair.join_buffers(bu_t, bu_s)
+    return loss_t + loss_s, new_buffers
 
 
 class FedKDClient(FMLClient):

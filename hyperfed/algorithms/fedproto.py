@@ -40,6 +40,7 @@ from hyperfed.algorithms.base import (
     PersonalModelClient,
     Server,
     ServerContext,
+    shared_join_value,
 )
 from hyperfed.config import ConfigError
 from hyperfed.engine.local import LossFn
@@ -82,13 +83,12 @@ def proto_loss(
 class FedProtoServer(Server):
     def __init__(self, hp: FedProtoParams, clients: dict[int, Payload], ctx: ServerContext) -> None:
         super().__init__(hp, clients, ctx)
-        dims = sorted({int(p["feature_dim"]) for p in clients.values()})
-        if len(dims) > 1:
-            raise ConfigError(
-                f"clients.models: fedproto needs one representation size for all clients "
-                f"(got {dims}); choose models whose last hidden layer has the same width"
-            )
-        self.dim = dims[0]
+        self.dim = shared_join_value(
+            clients,
+            "feature_dim",
+            "clients.models: fedproto needs one representation size for all clients "
+            "(got {values}); choose models whose last hidden layer has the same width",
+        )
         self.protos = torch.zeros(ctx.num_classes, self.dim, device=ctx.device)
         self.proto_mask = torch.zeros(ctx.num_classes, device=ctx.device)
 

@@ -82,13 +82,10 @@ def fml_loss(
     beta: float,
 ) -> tuple[Tensor, Tensor]:
     """Private loss + meme loss on the joint vector [private | meme]."""
-    th_p, th_s = pair.split(theta)
-    bu_p, bu_s = pair.split_buffers(buffers)
-    z_p, bu_p = pair.a.forward_train(th_p, bu_p, x)
-    z_s, bu_s = pair.b.forward_train(th_s, bu_s, x)
+    z_p, z_s, new_buffers = pair.forward_train_both(theta, buffers, x)
     loss_p = alpha * F.cross_entropy(z_p, y) + (1 - alpha) * kd_loss(z_p, z_s)
     loss_s = beta * F.cross_entropy(z_s, y) + (1 - beta) * kd_loss(z_s, z_p)
-    return loss_p + loss_s, pair.join_buffers(bu_p, bu_s)
+    return loss_p + loss_s, new_buffers
 
 
 class FMLServer(Server):

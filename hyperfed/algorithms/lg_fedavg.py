@@ -33,6 +33,7 @@ from hyperfed.algorithms.base import (
     PersonalModelClient,
     Server,
     ServerContext,
+    shared_join_value,
 )
 from hyperfed.config import ConfigError
 from hyperfed.engine.losses import weighted_average
@@ -68,13 +69,12 @@ def global_mask(fm: FunctionalModel, global_layers: str) -> Tensor:
 class LGFedAvgServer(Server):
     def __init__(self, hp: LGFedAvgParams, clients: dict[int, Payload], ctx: ServerContext) -> None:
         super().__init__(hp, clients, ctx)
-        sizes = sorted({int(p["num_global"]) for p in clients.values()})
-        if len(sizes) > 1:
-            raise ConfigError(
-                f"algorithm.global_layers: clients' global layers differ in size ({sizes}); "
-                'share only layers that match, e.g. global_layers = "classifier"'
-            )
-        self.num_global = sizes[0]
+        self.num_global = shared_join_value(
+            clients,
+            "num_global",
+            "algorithm.global_layers: clients' global layers differ in size ({values}); "
+            'share only layers that match, e.g. global_layers = "classifier"',
+        )
         self.head = torch.zeros(0, device=ctx.device)  # set by the first aggregation
 
     def configure_train(self, rnd: int, client_ids: list[int]) -> dict[int, Payload]:

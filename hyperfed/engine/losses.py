@@ -72,6 +72,17 @@ class ModelPair:
         k = self.a.num_buffers
         return buffers[..., :k], buffers[..., k:]
 
+    def forward_train_both(
+        self, theta: Tensor, buffers: Tensor, x: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Both models' training forward on the same batch (mutual learning, FML / FedKD):
+        ``(logits_a, logits_b, new joined buffers)``."""
+        th_a, th_b = self.split(theta)
+        bu_a, bu_b = self.split_buffers(buffers)
+        z_a, bu_a = self.a.forward_train(th_a, bu_a, x)
+        z_b, bu_b = self.b.forward_train(th_b, bu_b, x)
+        return z_a, z_b, self.join_buffers(bu_a, bu_b)
+
     def mask(self, part: str, device: torch.device | None = None) -> Tensor:
         """Boolean ``[K_a + K_b]``: True on the entries of ``part`` ("a" or "b")."""
         if part not in ("a", "b"):
