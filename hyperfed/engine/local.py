@@ -59,6 +59,7 @@ class SGDConfig:
 class BatchPlan:
     idx: Tensor  # [S, C, B] global sample indices
     active: Tensor  # [S, C] bool: client c takes a step at s
+    counts: tuple[int, ...]  # steps per client, on the host (no device sync to read them)
 
     @property
     def steps(self) -> int:
@@ -140,7 +141,7 @@ def count_flops(
             loss, _ = loss_fn(fm, leaf, buffers[0], x, y, cx)
             torch.autograd.grad(loss, leaf)
         _STEP_FLOPS[key] = int(counter.get_total_flops())
-    client_steps = int(plan.active.sum())
+    client_steps = sum(plan.counts)
     for meter in FlopMeter.active:
         meter.total += _STEP_FLOPS[key] * client_steps
 
@@ -172,7 +173,7 @@ def plan_batches(
         idx[:s, c] = b
         idx[s:, c] = b[-1]  # padding steps are masked out; any valid index will do
         active[:s, c] = True
-    return BatchPlan(idx, active)
+    return BatchPlan(idx, active, tuple(counts))
 
 
 def cross_entropy_loss(
@@ -220,8 +221,8 @@ def train_clients(
         return _sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
     outs = []
     for c in range(theta.shape[0]):
-        s = int(plan.active[:, c].sum())
-        sub = BatchPlan(plan.idx[:s, c : c + 1], plan.active[:s, c : c + 1])
+        s = plan.counts[c]
+        sub = BatchPlan(plan.idx[:s, c : c + 1], plan.active[:s, c : c + 1], (s,))
         m = mask if mask is None or mask.dim() == 1 else mask[c : c + 1]
         cx = {k: v[c : c + 1] for k, v in ctx.items()}
         sx = {k: v[:s, c : c + 1] for k, v in step_ctx.items()}
@@ -286,7 +287,7 @@ def _sgd_loop(
         return _graphed_sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx or {})
     momentum_buf = torch.zeros_like(theta)
     loss_sum = torch.zeros(theta.shape[0], device=theta.device)
-    all_active = bool(plan.active.all())
+    all_active = min(plan.counts) == plan.steps
     for s in range(plan.steps):
         x, y = data.batch(plan.idx[s])
         cx = {**ctx, **{k: v[s] for k, v in step_ctx.items()}} if step_ctx else ctx
@@ -403,7 +404,7 @@ def train_reference(
         opt = torch.optim.SGD(
             module.parameters(), lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay
         )
-        for s in range(int(plan.active[:, c].sum())):
+        for s in range(plan.counts[c]):
             x, y = data.batch(plan.idx[s, c])
             opt.zero_grad()
             F.cross_entropy(module(x), y).backward()
