@@ -164,3 +164,8 @@ def test_kd_loss_is_zero_for_equal_logits_and_scales_with_t_squared():
     s, t = torch.randn(5, 4), torch.randn(5, 4)
     per = kd_loss(s, t, 2.0, reduction="none")
     assert per.shape == (5,) and torch.allclose(per.mean(), kd_loss(s, t, 2.0))
+    # without Hinton's factor: the plain KL of the softened distributions, by hand
+    p_t, p_s = torch.softmax(t / 2.0, -1), torch.softmax(s / 2.0, -1)
+    plain = (p_t * (p_t.log() - p_s.log())).sum(-1).mean()
+    assert torch.allclose(kd_loss(s, t, 2.0, scale_t2=False), plain, atol=1e-6)
+    assert torch.allclose(kd_loss(s, t, 2.0), 4.0 * plain, atol=1e-6)

@@ -28,9 +28,11 @@ def kd_loss(
     teacher_logits: Tensor,
     temperature: float = 1.0,
     reduction: str = "mean",
+    scale_t2: bool = True,
 ) -> Tensor:
     """``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, mean over the batch
-    (``reduction="none"``: one value per sample).
+    (``reduction="none"``: one value per sample). ``scale_t2=False`` drops Hinton's ``T^2``
+    factor (which keeps the gradient's size independent of T): the plain KL.
 
     The teacher is detached: each side of a mutual-learning pair learns from the other's
     current prediction as a fixed target (Zhang et al., deep mutual learning).
@@ -38,7 +40,9 @@ def kd_loss(
     t = temperature
     log_p_student = F.log_softmax(student_logits / t, dim=-1)
     log_p_teacher = F.log_softmax(teacher_logits.detach() / t, dim=-1)
-    kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1) * (t * t)
+    kl = (log_p_teacher.exp() * (log_p_teacher - log_p_student)).sum(-1)
+    if scale_t2:
+        kl = kl * (t * t)
     return kl if reduction == "none" else kl.mean()
 
 
