@@ -110,9 +110,11 @@ class FunctionalModel:
     """A zoo module run from flat vectors: ``forward(theta, buffers, x)``.
 
     BatchNorm running statistics are carried as a second flat vector. In training mode
-    the new statistics are computed from the batch statistics each BatchNorm layer sees
-    (recorded by a pre-forward hook) and *returned*, never written in place, so the step
-    is a pure function that ``vmap`` and ``grad`` can transform.
+    the new statistics are *returned*, never written into the caller's vector: under a
+    ``torch.func`` transform they are computed from the batch statistics each BatchNorm
+    layer sees (recorded by a pre-forward hook), so the step is a pure function that
+    ``vmap`` and ``grad`` can transform; with plain autograd BatchNorm writes them into a
+    copy itself.
     """
 
     def __init__(self, module: nn.Module, name: str = "") -> None:
@@ -129,6 +131,8 @@ class FunctionalModel:
             if isinstance(mod, nn.Conv2d):
                 mod.register_forward_hook(self._nhwc_hook)
         self._nhwc = False  # inside a channels-last _call
+        # BatchNorm's own in-place update equals _updated_buffers when it uses a momentum
+        self._bn_in_place = all(bn.momentum is not None for bn in self._bn.values())
         self._counters = {
             n: torch.zeros((), dtype=torch.long)
             for n, b in module.named_buffers()
@@ -160,11 +164,15 @@ class FunctionalModel:
         bufs = [b.detach().reshape(-1) for b in self.module.buffers() if b.is_floating_point()]
         return torch.cat(bufs) if bufs else torch.zeros(0)
 
-    def _call(self, theta: Tensor, buffers: Tensor, x: Tensor, features: bool) -> object:
+    def _call(
+        self, theta: Tensor, buffers: Tensor, x: Tensor, features: bool, copy: bool = True
+    ) -> object:
+        """``copy=False`` hands ``buffers`` itself to the module: a training-mode BatchNorm
+        outside a torch.func transform then writes its new running statistics into it."""
         tensors = self.layout.unflatten(theta)
         if self.buffer_layout.size:
             # a copy: outside vmap BatchNorm would update the caller's statistics in place
-            tensors.update(self.buffer_layout.unflatten(buffers.clone()))
+            tensors.update(self.buffer_layout.unflatten(buffers.clone() if copy else buffers))
         # fresh counters each call: BatchNorm increments them in place, which grad/vmap reject
         tensors.update({n: torch.zeros((), dtype=torch.long) for n in self._counters})
         kwargs = {"return_features": True} if features else {}
@@ -192,6 +200,12 @@ class FunctionalModel:
         self.module.train()
         if not self._bn:
             return self._call(theta, buffers, x, return_features), buffers  # type: ignore[return-value]
+        if self._bn_in_place and maybe_current_level() is None:
+            # plain autograd (the client loop): BatchNorm updates a copy of the statistics
+            # itself, as nn.BatchNorm does; no second pass over its inputs
+            new_buffers = buffers.clone()
+            out = self._call(theta, new_buffers, x, return_features, copy=False)
+            return out, new_buffers
         self._recording = []
         try:
             out = self._call(theta, buffers, x, return_features)
