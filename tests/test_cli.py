@@ -311,9 +311,11 @@ def test_run_into_a_folder_that_holds_a_run_needs_force(tmp_path):
 
 
 def test_bench_times_every_path_and_prints_the_ratio_table():
-    small = "--clients 2 --samples 40 --shape 1,8,8 --classes 3 --device cpu".split()
+    small = ["--clients", "2", "--samples", "40", "--shape", "1,8,8", "--classes", "3"]
     paths = "reference,loop,loop-nchw"
-    result = invoke("bench", *small, "--rounds", "1", "--epochs", "1", "--modes", paths)
+    result = invoke(
+        "bench", *small, "--device", "cpu", "--rounds", "1", "--epochs", "1", "--modes", paths
+    )
     assert result.exit_code == 0, result.output
     assert "channels-last activations in the engine's loop and evaluation: on" in result.output
     rows = [line for line in result.output.splitlines() if line.startswith("| ")]
