@@ -63,6 +63,33 @@ def test_head_ablations_of_table_3():
     assert thetas[0].shape == (2500,) and thetas[1].shape == (900,)
 
 
+@pytest.mark.parametrize("heads", ["per_size", "per_client", "none"])
+def test_backward_equals_autograd_through_generated_thetas(heads):
+    """hnet.backward(g) == grad of sum_c <theta_c, g_c> through generate(); clients of one
+    head with different K (2500 / 2200), a client alone, and ``inputs`` restricting it."""
+    sizes = {0: 2500, 1: 2200, 2: 700, 3: 2500}
+    hn = MultiHeadHypernet(sizes, out_dim=1000, hidden=8, embed_dim=4, heads=heads)
+    torch.manual_seed(3)
+    g = {c: torch.randn(sizes[c]) for c in (0, 1, 2)}  # client 3 takes no part
+    thetas = hn.generate(list(g))
+    params = list(hn.parameters())
+    expected = torch.autograd.grad(
+        sum((thetas[c] * g[c]).sum() for c in g), params, allow_unused=True
+    )
+    hn.backward(g)
+    for p, e in zip(params, expected):
+        assert (p.grad is None) == (e is None)
+        if e is not None:
+            assert torch.allclose(p.grad, e, atol=1e-6)
+    assert hn.embeddings["3"].grad is None
+    hn.zero_grad(set_to_none=True)
+    only = [hn.embeddings["1"], hn.embeddings["3"]]
+    hn.backward(g, inputs=only)
+    index = next(i for i, p in enumerate(params) if p is only[0])
+    assert torch.allclose(only[0].grad, expected[index], atol=1e-6)
+    assert all(p.grad is None for p in params if p is not only[0])
+
+
 @pytest.mark.parametrize("mode", ["sequential", "mean"])
 def test_server_update_moves_theta_toward_trained(mode):
     server = _server({0: 2500, 1: 700}, out_dim=1000, hidden=16, embed_dim=8, hn_update=mode)

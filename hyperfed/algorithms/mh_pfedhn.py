@@ -230,14 +230,7 @@ class MHPFedHNServer(Server):
         d(loss)/d(theta_c). Parameters without a gradient (other clients' embeddings, heads
         not involved, everything outside ``only``) are left untouched by Adam."""
         self.opt.zero_grad(set_to_none=True)
-        thetas = self.hnet.generate(list(output_grads))
-        surrogate = sum((thetas[c] * g).sum() for c, g in output_grads.items())
-        assert isinstance(surrogate, Tensor)
-        if only is None:
-            surrogate.backward()
-        else:
-            for p, g in zip(only, torch.autograd.grad(surrogate, only, allow_unused=True)):
-                p.grad = g
+        self.hnet.backward(output_grads, inputs=only)
         self.opt.step()
 
     def aggregate(self, rnd: int, replies: dict[int, Payload]) -> None:

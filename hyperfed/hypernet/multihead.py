@@ -16,7 +16,7 @@ embedding per client and one output layer per model size, i.e. ``tau=1, N=K``).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +48,10 @@ class Head(nn.Module):
         tau = codes.shape[1]
         if self.shared:
             return codes @ self.weight[0] + self.bias[0]
-        return torch.einsum("ctd,tdn->ctn", codes, self.weight[:tau]) + self.bias[:tau]
+        weight, bias = self.weight, self.bias
+        if tau < len(weight):  # never for the heads built below; a slice's backward would
+            weight, bias = weight[:tau], bias[:tau]  # zero-fill a gradient of the whole head
+        return torch.einsum("ctd,tdn->ctn", codes, weight) + bias
 
 
 class MultiHeadHypernet(nn.Module):
@@ -115,15 +118,46 @@ class MultiHeadHypernet(nn.Module):
             groups.setdefault((self.key[c], self.tau[c]), []).append(c)
         return groups
 
+    def _chunks(self, key: str, members: list[int]) -> Tensor:
+        """``chunks[C, tau, N]`` of clients sharing head ``key`` and one ``tau``."""
+        v = torch.stack([self.embeddings[self._name(c)] for c in members])  # [C, tau, e]
+        return self.heads[key](self.extractor(v))
+
     def generate(self, clients: Sequence[int]) -> dict[int, Tensor]:
         """theta_i for each client id (Eq. 3), batched per head."""
         out: dict[int, Tensor] = {}
         for (key, _), members in self.head_groups(clients).items():
-            v = torch.stack([self.embeddings[self._name(c)] for c in members])  # [C, tau, e]
-            chunks = self.heads[key](self.extractor(v))  # [C, tau, N]
+            chunks = self._chunks(key, members)
             for i, c in enumerate(members):
                 out[c] = concat_chunks(chunks[i], self.sizes[c])
         return out
+
+    def backward(
+        self, output_grads: Mapping[int, Tensor], inputs: Sequence[Tensor] | None = None
+    ) -> None:
+        """Accumulate into ``.grad`` the gradient of ``sum_c <theta_c, output_grads[c]>``,
+        i.e. back-propagate ``dL/dtheta_c`` through Eq. 3 (only into ``inputs`` if given;
+        parameters no client's theta depends on keep ``grad = None``).
+
+        Each head's gradient is laid out zero-padded as ``[C, tau, N]`` (the ``[:K_i]`` cut
+        of Eq. 3 contributes nothing beyond ``K_i``) and fed to the head's output directly:
+        back-propagating through per-client ``chunks[i]`` and ``[:K_i]`` views instead
+        allocates a zero-filled gradient of the whole group for every client.
+        """
+        outputs: list[Tensor] = []
+        grads: list[Tensor] = []
+        for (key, _), members in self.head_groups(list(output_grads)).items():
+            chunks = self._chunks(key, members)
+            padded = chunks.new_zeros(chunks.shape)
+            flat = padded.view(len(members), -1)
+            for i, c in enumerate(members):
+                flat[i, : self.sizes[c]] = output_grads[c]
+            outputs.append(chunks)
+            grads.append(padded)
+        if inputs is None:
+            torch.autograd.backward(outputs, grads)
+        elif inputs:
+            torch.autograd.backward(outputs, grads, inputs=list(inputs))
 
     def extractor_parameters(self) -> list[nn.Parameter]:
         return list(self.extractor.parameters())
