@@ -48,7 +48,8 @@ class Head(nn.Module):
         tau = codes.shape[1]
         if self.shared:
             return codes @ self.weight[0] + self.bias[0]
-        weight, bias = self.weight, self.bias
+        weight: Tensor = self.weight
+        bias: Tensor = self.bias
         if tau < len(weight):  # never for the heads built below; a slice's backward would
             weight, bias = weight[:tau], bias[:tau]  # zero-fill a gradient of the whole head
         return torch.einsum("ctd,tdn->ctn", codes, weight) + bias
