@@ -112,6 +112,40 @@ def test_frozen_entries_do_not_move(digits_data):
     assert not torch.equal(t[:, mask], theta[:, mask])
 
 
+def test_channels_last_with_one_input_channel():
+    """A 1-channel input is "contiguous" in both layouts; the engine still hands oneDNN truly
+    channels-last input (channel stride 1), so what follows stays channels-last, and routes
+    Flatten's gradient back channels-last; gradients equal the NCHW ones (float64)."""
+    torch.manual_seed(0)
+    fm = FunctionalModel(build_model("lenet", (1, 12, 12), 4).double())
+    theta, buffers = fm.initial_params(), fm.initial_buffers()
+    x, y = torch.randn(5, 1, 12, 12, dtype=torch.float64), torch.tensor([0, 1, 2, 3, 0])
+    conv_in: list[torch.Tensor] = []
+    pooled_grads: list[torch.Tensor] = []
+    conv = next(m for m in fm.module.modules() if isinstance(m, torch.nn.Conv2d))
+    flatten = next(m for m in fm.module.modules() if isinstance(m, torch.nn.Flatten))
+
+    def grad() -> torch.Tensor:
+        leaf = theta.clone().requires_grad_(True)
+        out, _ = fm.forward_train(leaf, buffers, x)
+        return torch.autograd.grad(torch.nn.functional.cross_entropy(out, y), leaf)[0]
+
+    plain = grad()
+
+    def watch_grad(mod: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        inputs[0].register_hook(pooled_grads.append)
+
+    h1 = conv.register_forward_pre_hook(lambda m, i: conv_in.append(i[0]))
+    h2 = flatten.register_forward_pre_hook(watch_grad)
+    with channels_last():
+        nhwc = grad()
+    h1.remove()
+    h2.remove()
+    assert torch.allclose(plain, nhwc, atol=1e-12)
+    assert conv_in[0].stride(1) == 1  # channel-innermost, not NCHW strides
+    assert pooled_grads[0].stride(1) == 1
+
+
 def test_channels_last_is_the_same_function_and_is_scoped():
     torch.manual_seed(0)
     fm = FunctionalModel(build_model("resnet10", (3, 16, 16), 5).double())

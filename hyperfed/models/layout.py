@@ -38,6 +38,18 @@ def channels_last(enabled: bool = True) -> Iterator[None]:
         _NHWC["on"] = before
 
 
+def as_channels_last(x: Tensor) -> Tensor:
+    """``x`` (4-D) laid out channels-last. A 1-channel tensor counts as contiguous in both
+    layouts, so ``contiguous(channels_last)`` keeps its NCHW strides and oneDNN then runs the
+    next convolution, and everything after it, in NCHW; its channel stride is set to 1
+    explicitly instead (a view: with one channel the same memory order)."""
+    if x.shape[1] != 1:
+        return x.contiguous(memory_format=torch.channels_last)
+    x = x.contiguous()
+    _, _, h, w = x.shape
+    return x.as_strided(x.shape, (h * w, 1, w, 1))
+
+
 @dataclass(frozen=True)
 class Segment:
     """One named tensor inside a flat vector."""
@@ -130,6 +142,8 @@ class FunctionalModel:
                 mod.register_forward_pre_hook(self._make_hook(mod_name))
             if isinstance(mod, nn.Conv2d):
                 mod.register_forward_hook(self._nhwc_hook)
+            if isinstance(mod, nn.Flatten):
+                mod.register_forward_pre_hook(self._nhwc_grad_hook)
         self._nhwc = False  # inside a channels-last _call
         # BatchNorm's own in-place update equals _updated_buffers when it uses a momentum
         self._bn_in_place = all(bn.momentum is not None for bn in self._bn.values())
@@ -155,7 +169,15 @@ class FunctionalModel:
         return hook
 
     def _nhwc_hook(self, mod: nn.Module, inputs: tuple[Tensor, ...], out: Tensor) -> Tensor:
-        return out.contiguous(memory_format=torch.channels_last) if self._nhwc else out
+        return as_channels_last(out) if self._nhwc else out
+
+    def _nhwc_grad_hook(self, mod: nn.Module, inputs: tuple[Tensor, ...]) -> None:
+        """Flatten copies an NHWC activation to NCHW order, so its gradient comes back NCHW
+        and the layer before (max-pool) would convert its own NHWC input to match; turning
+        the smaller gradient channels-last instead saves that copy and one more."""
+        x = inputs[0]
+        if self._nhwc and x.dim() == 4 and x.requires_grad:
+            x.register_hook(as_channels_last)
 
     def initial_params(self) -> Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.module.parameters()])
@@ -179,7 +201,7 @@ class FunctionalModel:
         # inside a torch.func transform (vmap), memory formats cannot be batched
         nhwc = _NHWC["on"] and x.dim() == 4 and maybe_current_level() is None
         if nhwc:
-            x = x.contiguous(memory_format=torch.channels_last)
+            x = as_channels_last(x)
         self._nhwc = nhwc
         try:
             return functional_call(self.module, tensors, (x,), kwargs)
