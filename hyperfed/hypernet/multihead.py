@@ -47,7 +47,8 @@ class Head(nn.Module):
         """``codes[C, tau, hidden] -> chunks[C, tau, N]``."""
         tau = codes.shape[1]
         if self.shared:
-            return codes @ self.weight[0] + self.bias[0]
+            # squeeze, not [0]: its backward is a view, [0]'s a zero-filled copy of the head
+            return codes @ self.weight.squeeze(0) + self.bias.squeeze(0)
         weight: Tensor = self.weight
         bias: Tensor = self.bias
         if tau < len(weight):  # never for the heads built below; a slice's backward would
