@@ -26,10 +26,10 @@ _NHWC = {"on": False}  # set by channels_last(); read by FunctionalModel._call
 def channels_last(enabled: bool = True) -> Iterator[None]:
     """Run every :class:`FunctionalModel` forward inside the block with channels-last (NHWC)
     activations: 4-D inputs and every Conv2d output are made channels-last, so oneDNN's
-    NHWC convolution and pooling kernels run (2-core CPU, batch 64: LeNet step 1.2-1.4x
-    faster; `benchmarks/bench_engine.py`). Same arithmetic, other summation order. Not
-    applied under ``vmap`` (functorch cannot batch a memory format) nor to the reference
-    loop's own ``nn.Module`` calls."""
+    NHWC convolution and pooling kernels run (2-core CPU, batch 64: LeNet step 1.3-1.4x,
+    VGG8 1.2x faster; `hyperfed bench` modes loop, loop-nchw). Same arithmetic, other
+    summation order. Not applied under ``vmap`` (functorch cannot batch a memory format)
+    nor to the reference loop's own ``nn.Module`` calls."""
     before = _NHWC["on"]
     _NHWC["on"] = enabled
     try:
