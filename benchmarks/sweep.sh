@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The comparisons behind README "Results": every method of one table on the same config.
 #   benchmarks/sweep.sh GROUP OUT_DIR [PARALLEL] [--set k=v ...]
-# GROUP: mh_homo | mh_hetero | pfedkt | pfedes_homo | pfedes_hetero
+# GROUP: mh_homo | mh_hetero | pfedkt | pfedes_homo | pfedes_hetero | dfedhp_ring | dfedhp_full
 # Each run lands in OUT_DIR/<label>; `hyperfed report OUT_DIR/*` prints the table.
 # Extra --set arguments apply to every run (e.g. --set device=cuda --set rounds=50).
 set -euo pipefail
@@ -29,7 +29,15 @@ case $group in
                  # heterogeneous CNN-1..5 share only their classifier layer
                  echo "$m algorithm={name=\"$m\",global_layers=\"classifier\"}"
                else echo "$m algorithm={name=\"$m\"}"; fi; done) ;;
-  *) echo "unknown group '$group' (mh_homo, mh_hetero, pfedkt, pfedes_homo, pfedes_hetero)" >&2
+  dfedhp_ring|dfedhp_full)
+             cfg=configs/${group/dfedhp_/dfedhp_fmnist_}.toml topology=${group#dfedhp_}
+             # the baselines replace the [algorithm] table: it holds DFedHP-only keys
+             runs=$(printf '%s\n' "dfedhp algorithm.name=dfedhp" \
+               "dfedavg algorithm={name=\"dfedavg\",topology=\"$topology\"}" \
+               "dfedalt algorithm={name=\"dfedalt\",topology=\"$topology\"}" \
+               "local algorithm={name=\"local\"}") ;;
+  *) echo "unknown group '$group' (mh_homo, mh_hetero, pfedkt, pfedes_homo, pfedes_hetero," \
+          "dfedhp_ring, dfedhp_full)" >&2
      exit 2 ;;
 esac
 mkdir -p "$out"
