@@ -261,12 +261,27 @@ def _one_client(step_loss: Callable) -> Callable:
 def _sgd_update(
     sgd: SGDConfig, theta: Tensor, momentum_buf: Tensor, grads: Tensor, mask: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """torch.optim.SGD's step: ``d = g + wd*p; buf = m*buf + d; p -= lr*buf``."""
-    d = grads + sgd.weight_decay * theta if sgd.weight_decay else grads
+    """torch.optim.SGD's step, in its own operations: ``d = g + wd*p; buf = m*buf + d;
+    p -= lr*buf``. Returns new tensors (what a captured CUDA graph or ``torch.where`` needs)."""
+    d = grads.add(theta, alpha=sgd.weight_decay) if sgd.weight_decay else grads
     if mask is not None:
         d = d * mask
-    new_buf = sgd.momentum * momentum_buf + d if sgd.momentum else d
-    return theta - sgd.lr * new_buf, new_buf
+    new_buf = momentum_buf.mul(sgd.momentum).add_(d) if sgd.momentum else d
+    return theta.add(new_buf, alpha=-sgd.lr), new_buf
+
+
+def _sgd_update_(
+    sgd: SGDConfig, theta: Tensor, momentum_buf: Tensor, grads: Tensor, mask: Tensor | None
+) -> None:
+    """The same step in place (``theta``, ``momentum_buf``; ``grads`` is consumed): no new
+    ``[C, K]`` tensors per step, which on a CPU cost more than the arithmetic (fresh pages;
+    K = 2 M: 22 ms out of place as four ops, 1.8 ms in place)."""
+    d = grads.add_(theta, alpha=sgd.weight_decay) if sgd.weight_decay else grads
+    if mask is not None:
+        d.mul_(mask)
+    if sgd.momentum:
+        d = momentum_buf.mul_(sgd.momentum).add_(d)
+    theta.add_(d, alpha=-sgd.lr)
 
 
 def _sgd_loop(
@@ -288,15 +303,18 @@ def _sgd_loop(
     momentum_buf = torch.zeros_like(theta)
     loss_sum = torch.zeros(theta.shape[0], device=theta.device)
     all_active = min(plan.counts) == plan.steps
+    if all_active:
+        theta = theta.clone()  # updated in place from here on
     for s in range(plan.steps):
         x, y = data.batch(plan.idx[s])
         cx = {**ctx, **{k: v[s] for k, v in step_ctx.items()}} if step_ctx else ctx
         grads, (_, (loss, new_buffers)) = step(theta, buffers, x, y, cx)
-        new_theta, new_buf = _sgd_update(sgd, theta, momentum_buf, grads, mask)
         if all_active:
-            theta, momentum_buf, buffers = new_theta, new_buf, new_buffers
+            _sgd_update_(sgd, theta, momentum_buf, grads, mask)
+            buffers = new_buffers
             loss_sum = loss_sum + loss
         else:
+            new_theta, new_buf = _sgd_update(sgd, theta, momentum_buf, grads, mask)
             a = plan.active[s].unsqueeze(1)
             theta = torch.where(a, new_theta, theta)
             momentum_buf = torch.where(a, new_buf, momentum_buf)
