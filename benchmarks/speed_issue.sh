@@ -26,6 +26,8 @@ name=heterogeneous step "item 1-2: LeNet, VGG8, ResNet-10/12/18" \
 name=scale step "item 2: $big clients" \
   hyperfed bench "${size[@]}" --clients "$big" --rounds "$((rounds > 2 ? 2 : rounds))" \
   --modes "$fast" --device "$device"
+name=sgd_update step "the flat SGD step, out of place vs in place" \
+  python benchmarks/sgd_update.py --device "$device"
 # item 4: the same short MH-pFedHN run through the reference loop and through the fast path
 for path in reference auto; do
   name=accuracy_$path step "item 4: local.vectorize=$path" \
