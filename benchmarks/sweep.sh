@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The comparisons behind README "Results": every method of one table on the same config.
 #   benchmarks/sweep.sh GROUP OUT_DIR [PARALLEL] [--set k=v ...]
-# GROUP: mh_homo | mh_hetero | pfedkt | pfedes_homo | pfedes_hetero | dfedhp_ring | dfedhp_full
+# GROUP: mh_homo | mh_hetero | mh_dd | pfedkt | pfedes_homo | pfedes_hetero | dfedhp_ring | dfedhp_full
 # Each run lands in OUT_DIR/<label>; `hyperfed report OUT_DIR/*` prints the table.
 # Extra --set arguments apply to every run (e.g. --set device=cuda --set rounds=50).
 set -euo pipefail
@@ -15,6 +15,11 @@ case $group in
              runs=$(for m in $mh_methods; do echo "$m algorithm.name=$m"; done) ;;
   mh_hetero) cfg=configs/seed000/fmnist_hetero.toml
              runs=$(for m in $mh_methods; do echo "$m algorithm.name=$m"; done) ;;
+  mh_dd)     cfg=configs/mh_pfedhndd_fmnist.toml  # seed 003: Tables 1, 3 and 5 in one
+             runs=$(for m in local fedavg fedavg_dd pfedhn pfedhn_dd mh_pfedhn mh_pfedhndd; do
+                 echo "$m algorithm.name=$m"; done
+               echo "no_cc algorithm.mh_pfedhndd.lambda_cc=0"
+               echo "no_universum algorithm.mh_pfedhndd.universum=false") ;;
   pfedkt)    cfg=configs/pfedkt_fmnist.toml
              runs=$(printf '%s\n' "pfedkt algorithm.name=pfedkt" "fedavg algorithm.name=fedavg" \
                "local algorithm.name=local" \
@@ -36,7 +41,7 @@ case $group in
                "dfedavg algorithm={name=\"dfedavg\",topology=\"$topology\"}" \
                "dfedalt algorithm={name=\"dfedalt\",topology=\"$topology\"}" \
                "local algorithm={name=\"local\"}") ;;
-  *) echo "unknown group '$group' (mh_homo, mh_hetero, pfedkt, pfedes_homo, pfedes_hetero," \
+  *) echo "unknown group '$group' (mh_homo, mh_hetero, mh_dd, pfedkt, pfedes_homo, pfedes_hetero," \
           "dfedhp_ring, dfedhp_full)" >&2
      exit 2 ;;
 esac
