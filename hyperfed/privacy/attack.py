@@ -1,0 +1,256 @@
+"""Seed 000's iDLG experiment (Appendix C.8, Fig. 6): invert what one client uploads.
+
+The server is the attacker. In round ``R`` it sends client ``c`` its model, as the method
+does, and receives the client's reply. Two kinds of target are inverted with
+:func:`~hyperfed.privacy.inversion.invert_gradient`:
+
+* **one image's gradient** (the control): ``dCE / dtheta`` of a single training image at the
+  model the server sent -- what a client would leak if it uploaded one step's gradient on a
+  batch of one (FedSGD). This shows what the attack can do against this model.
+* **the actual upload**: every model update in the reply (``delta``; MH-pFedHNG(D)'s
+  ``global_delta``; FedAvg's returned ``theta`` minus the sent one), read as the attacker
+  would, as the mean gradient of one local step, ``-update / (lr * steps)``. The client took
+  E epochs of batch-B steps, so no single image produced it; the reconstruction is scored
+  against the client's training image it resembles most (the attacker's best case).
+
+Images are compared in pixel space ([0, 1]) by PSNR. ``chance`` is the PSNR of the random
+starting point against the same image: what the attack gets with no information.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hyperfed.config import ExperimentConfig
+from hyperfed.models.layout import FunctionalModel
+from hyperfed.privacy.inversion import Inversion, invert_gradient, model_gradient, psnr
+
+# reply key of an update -> key of the model it was trained from in the server's message
+UPDATE_KEYS = {"delta": "theta", "global_delta": "global"}
+
+
+class AttackError(ValueError):
+    """The experiment cannot run as configured (one line, for the CLI)."""
+
+
+@dataclass
+class AttackRow:
+    target: str  # "image 3 gradient" / "upload delta"
+    true_label: int | None  # None for an upload: it mixes many samples
+    label: int  # the label iDLG inferred
+    psnr: float  # reconstruction vs the (true / nearest) training image, dB
+    chance: float  # the random starting point vs the same image, dB
+    distance: float  # final gradient distance
+    compared_to: int  # index of that image in the client's training split
+    reconstruction: Tensor = field(repr=False)  # [C, H, W] in [0, 1]
+    original: Tensor = field(repr=False)
+
+
+@dataclass
+class AttackReport:
+    algorithm: str
+    dataset: str
+    model: str
+    client: int
+    round: int
+    local_steps: int
+    distance: str
+    iters: int
+    rows: list[AttackRow]
+
+    def to_json(self) -> dict[str, Any]:
+        skip = {"reconstruction", "original"}
+        rows = [{k: v for k, v in asdict(r).items() if k not in skip} for r in self.rows]
+        head = {k: v for k, v in asdict(self).items() if k != "rows"}
+        return {**head, "rows": rows}
+
+
+def uploaded_updates(msg: dict[str, Tensor], reply: dict[str, Tensor]) -> dict[str, str]:
+    """``{reply key: message key}`` of every model update in ``reply`` (see module doc)."""
+    found = {}
+    for key, sent in UPDATE_KEYS.items():
+        if (key in reply or f"{key}_idx" in reply) and sent in msg:
+            found[key] = sent
+    if "theta" in reply and "theta" in msg and reply["theta"].shape == msg["theta"].shape:
+        found["theta"] = "theta"  # FedAvg-style: the trained model itself
+    return found
+
+
+def run_attack(
+    cfg: ExperimentConfig,
+    *,
+    client: int = 0,
+    images: int = 4,
+    round_: int = 1,
+    distance: str = "cosine",
+    iters: int = 500,
+    progress: Callable[[str, int], Callable[[], None]] | None = None,
+) -> AttackReport:
+    """Run rounds ``1 .. round_ - 1`` as the method does, then attack client ``client``'s
+    round-``round_`` upload and ``images`` of its training images' gradients.
+
+    ``progress(label, total)`` returns a callback advanced once per step (a progress bar)."""
+    from hyperfed.algorithms.mh_pfedhn import decode_update
+    from hyperfed.engine.simulate import Simulation
+
+    if not 0 <= client < cfg.clients.count:
+        raise AttackError(f"--client {client}: there are {cfg.clients.count} clients (0..)")
+    if images < 0 or round_ < 1 or iters < 1:
+        raise AttackError("--images must be >= 0, --round and --iters >= 1")
+    sim = Simulation(cfg)
+    if sim.gossip is not None:
+        raise AttackError(f"{cfg.algorithm.name} is decentralized: there is no server to attack")
+    if len(sim.data.input_shape) != 3 or not sim.data.mean.numel():
+        raise AttackError(f"the attack compares images; {cfg.dataset.name} inputs are vectors")
+    tick = progress or (lambda label, total: lambda: None)
+    sim.run_setup()
+    if round_ > 1:
+        advance = tick(f"rounds 1-{round_ - 1}", round_ - 1)
+        for rnd in range(1, round_):
+            sim.run_round(rnd)
+            advance()
+
+    msg = sim.server.configure_train(round_, [client])[client]
+    state = dict(sim.store[client])
+    replies, _, _ = sim.fit_groups(round_, [client], {client: msg})
+    reply = replies[client]
+    updates = uploaded_updates(msg, reply)
+    if not updates:
+        raise AttackError(
+            f"{cfg.algorithm.name} uploads no model update this attack can read (reply keys: "
+            f"{sorted(reply)}); try mh_pfedhn, mh_pfedhng, mh_pfedhngd, pfedhn or fedavg"
+        )
+    arch = sim.arch_of[client]
+    group = sim.group(arch, [client], round_)
+    steps = group.plan().counts[0]
+    data = sim.data
+    train_x, train_y = data.batch(data.train_idx[client])
+    shape = [1, -1, 1, 1]
+
+    def pixels(x: Tensor) -> Tensor:
+        x = x * data.std.view(shape).to(x) + data.mean.view(shape).to(x)
+        return x.clamp(0, 1)
+
+    train_px = pixels(train_x)
+    start = pixels(torch.randn((1, *data.input_shape), generator=_gen(cfg.seed)).to(train_x))
+
+    def invert(
+        fm: FunctionalModel, theta: Tensor, buffers: Tensor, target: Tensor, label: str
+    ) -> Inversion:
+        return invert_gradient(
+            fm,
+            theta,
+            buffers,
+            target,
+            data.input_shape,
+            data.num_classes,
+            distance=distance,
+            iters=iters,
+            seed=cfg.seed,
+            progress=tick(label, iters),
+        )
+
+    rows = []
+    fm, theta, buffers = sim.models[arch], msg["theta"], state["buffers"]
+    for i in range(min(images, len(train_x))):
+        grad = model_gradient(fm, theta, buffers, train_x[i : i + 1], train_y[i : i + 1])
+        inv = invert(fm, theta, buffers, grad, f"image {i} gradient")
+        rec = pixels(inv.x)[0]
+        rows.append(
+            AttackRow(
+                f"image {i} gradient",
+                int(train_y[i]),
+                inv.label,
+                psnr(rec, train_px[i]),
+                psnr(start[0], train_px[i]),
+                inv.distance,
+                i,
+                rec.cpu(),
+                train_px[i].cpu(),
+            )
+        )
+    lr = sim.sgd.lr
+    for key, sent in updates.items():
+        model, buffers = sim.models[arch], state["buffers"]
+        if sent == "global":  # MH-pFedHNG(D)'s global model, which every client also holds
+            model = sim.client.global_fm  # type: ignore[attr-defined]
+            buffers = state["global_buffers"]
+        theta = msg[sent]
+        if key == "theta":
+            update = reply["theta"] - theta
+        else:
+            update = decode_update(reply, key, theta.shape[-1])
+        target = -update / (lr * steps)  # the mean gradient of one local step
+        inv = invert(model, theta, buffers, target, f"upload {key}")
+        rec = pixels(inv.x)[0]
+        scores = [psnr(rec, img) for img in train_px]
+        j = max(range(len(scores)), key=scores.__getitem__)
+        rows.append(
+            AttackRow(
+                f"upload {key}",
+                None,
+                inv.label,
+                scores[j],
+                psnr(start[0], train_px[j]),
+                inv.distance,
+                j,
+                rec.cpu(),
+                train_px[j].cpu(),
+            )
+        )
+    return AttackReport(
+        cfg.algorithm.name,
+        cfg.dataset.name,
+        arch,
+        client,
+        round_,
+        steps,
+        distance,
+        iters,
+        rows,
+    )
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def save_report(report: AttackReport, out: Path) -> list[Path]:
+    """``attack.json`` and ``attack.png`` (top: the image each reconstruction is compared
+    to; bottom: the reconstruction) in ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attack.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    n = len(report.rows)
+    fig, axes = plt.subplots(2, n, figsize=(2.0 * n, 4.4), squeeze=False)
+    for j, row in enumerate(report.rows):
+        for i, img in enumerate((row.original, row.reconstruction)):
+            ax = axes[i][j]
+            pic = img.permute(1, 2, 0).numpy()
+            ax.imshow(pic[..., 0] if pic.shape[-1] == 1 else pic, cmap="gray", vmin=0, vmax=1)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        axes[0][j].set_title(row.target, fontsize=9)
+        axes[1][j].set_xlabel(f"{row.psnr:.1f} dB (chance {row.chance:.1f})", fontsize=8)
+    axes[0][0].set_ylabel("training image")
+    axes[1][0].set_ylabel("reconstruction")
+    fig.suptitle(
+        f"gradient inversion ({report.distance}) of client {report.client}, "
+        f"{report.algorithm}, round {report.round}, {report.local_steps} local steps",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(out / "attack.png", dpi=110)
+    plt.close(fig)
+    return [out / "attack.json", out / "attack.png"]

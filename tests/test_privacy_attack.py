@@ -1,0 +1,158 @@
+"""Gradient inversion (iDLG, seed 000 Appendix C.8): the label rule, the input
+reconstruction, which upload keys are attacked, and the ``hyperfed attack`` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hyperfed.cli import app
+from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.zoo import build_model
+from hyperfed.privacy.attack import uploaded_updates
+from hyperfed.privacy.inversion import (
+    infer_label,
+    invert_gradient,
+    model_gradient,
+    psnr,
+    total_variation,
+)
+
+ENV = {"COLUMNS": "250", "HYPERFED_DATA": None}
+SMALL = [
+    "device=cpu",
+    "dataset.name=digits",
+    "dataset.subsample=300",
+    "clients.count=3",
+    "clients.models=lenet",
+    "local.epochs=1",
+    "rounds=1",
+]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env=ENV)
+
+
+def _sets(settings: list[str]) -> list[str]:
+    return [a for s in settings for a in ("--set", s)]
+
+
+def _model(name: str, shape: tuple[int, ...], classes: int = 5) -> FunctionalModel:
+    torch.manual_seed(0)
+    return FunctionalModel(build_model(name, shape, classes))
+
+
+@pytest.mark.parametrize("name", ["lenet", "mlp", "vgg8"])
+def test_label_rule_recovers_every_class_from_one_sample_gradient(name):
+    # the classifier's input comes out of a ReLU (>= 0): only the true row sums negative
+    fm = _model(name, (1, 8, 8))
+    theta, buffers = fm.initial_params(), fm.initial_buffers()
+    gen = torch.Generator().manual_seed(1)
+    for label in range(5):
+        x = torch.randn(1, 1, 8, 8, generator=gen)
+        grad = model_gradient(fm, theta, buffers, x, torch.tensor([label]))
+        assert infer_label(fm, grad, 5) == label
+
+
+def test_model_gradient_is_the_modules_gradient():
+    fm = _model("lenet", (1, 8, 8))
+    x, y = torch.randn(2, 1, 8, 8), torch.tensor([1, 4])
+    fm.module.eval()
+    torch.nn.functional.cross_entropy(fm.module(x), y).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in fm.module.parameters()])
+    got = model_gradient(fm, fm.initial_params(), fm.initial_buffers(), x, y)
+    torch.testing.assert_close(got, expected)
+
+
+def test_cosine_inversion_rebuilds_an_mlp_input():
+    # an MLP's first-layer gradient is delta x^T: the input is identifiable from it
+    fm = _model("mlp", (1, 6, 6))
+    theta, buffers = fm.initial_params(), fm.initial_buffers()
+    x = torch.rand(1, 1, 6, 6, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    grad = model_gradient(fm, theta, buffers, x, torch.tensor([3]))
+    inv = invert_gradient(fm, theta, buffers, grad, (1, 6, 6), 5, iters=150, tv=0.0)
+    assert inv.label == 3
+    assert inv.distance < 0.1 * inv.initial_distance
+    assert (inv.x - x).norm() / x.norm() < 0.15
+
+
+def test_l2_inversion_lowers_the_gradient_distance():
+    fm = _model("mlp", (1, 4, 4))
+    theta, buffers = fm.initial_params(), fm.initial_buffers()
+    x = torch.randn(1, 1, 4, 4, generator=torch.Generator().manual_seed(3))
+    grad = model_gradient(fm, theta, buffers, x, torch.tensor([0]))
+    inv = invert_gradient(fm, theta, buffers, grad, (1, 4, 4), 5, distance="l2", iters=10)
+    assert inv.distance < 0.5 * inv.initial_distance
+
+
+def test_inversion_refuses_bad_arguments():
+    fm = _model("mlp", (1, 4, 4))
+    theta, buffers = fm.initial_params(), fm.initial_buffers()
+    with pytest.raises(ValueError, match="distance"):
+        invert_gradient(fm, theta, buffers, theta, (1, 4, 4), 5, distance="l1")
+    with pytest.raises(ValueError, match="shape"):
+        invert_gradient(fm, theta, buffers, theta[:-1], (1, 4, 4), 5)
+
+
+def test_psnr_and_total_variation_by_hand():
+    a = torch.zeros(1, 2, 2)
+    assert psnr(a + 0.1, a) == pytest.approx(20.0)  # mse 0.01 -> 10 log10(100)
+    assert psnr(a, a) == float("inf")
+    img = torch.tensor([[[[0.0, 1.0], [0.0, 1.0]]]])  # vertical 0, horizontal 1
+    assert float(total_variation(img)) == pytest.approx(1.0)
+
+
+def test_uploaded_updates_reads_deltas_pruned_deltas_and_returned_models():
+    t, g = torch.zeros(5), torch.zeros(3)
+    msg = {"theta": t, "global": g}
+    pruned = {"global_delta_idx": torch.tensor([0]), "global_delta_val": torch.ones(1)}
+    assert uploaded_updates(msg, {"delta": t, **pruned}) == {
+        "delta": "theta",
+        "global_delta": "global",
+    }
+    assert uploaded_updates({"theta": t}, {"theta": t + 1}) == {"theta": "theta"}
+    assert uploaded_updates({}, {"prototypes": g}) == {}
+
+
+def test_attack_command_writes_report_and_figure(tmp_path):
+    out = tmp_path / "att"
+    res = invoke(
+        "attack",
+        *_sets([*SMALL, "algorithm.name=mh_pfedhng"]),
+        "--images",
+        "1",
+        "--iters",
+        "3",
+        "--out",
+        str(out),
+    )
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "attack.json").read_text())
+    targets = [r["target"] for r in report["rows"]]
+    assert targets == ["image 0 gradient", "upload delta", "upload global_delta"]
+    first = report["rows"][0]
+    assert first["label"] == first["true_label"]  # iDLG's label rule on one sample
+    assert report["local_steps"] >= 1 and report["algorithm"] == "mh_pfedhng"
+    assert (out / "attack.png").stat().st_size > 0
+    assert "upload global_delta" in res.output
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--client", "7"], "--client 7: there are 3 clients"),
+        (["--set", "algorithm.name=local"], "uploads no model update"),
+        (["--set", "dataset.name=synthetic", "--set", "clients.models=mlp"], "are vectors"),
+    ],
+)
+def test_attack_command_refuses_in_one_line(tmp_path, extra, message):
+    out = tmp_path / "att"
+    res = invoke("attack", *_sets(SMALL), *extra, "--iters", "1", "--out", str(out))
+    assert res.exit_code == 2
+    assert message in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not out.exists()
