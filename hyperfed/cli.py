@@ -348,12 +348,25 @@ def attack(
         title=f"Gradient inversion of client {report.client} ({report.model}), "
         f"{report.algorithm}, round {report.round}, {report.local_steps} local steps"
     )
-    for col in ("target", "label (true / inferred)", "PSNR dB", "chance dB", "distance"):
+    cols = (
+        "target",
+        "label (true / inferred)",
+        "PSNR dB",
+        "chance dB",
+        "mean image dB",
+        "distance",
+    )
+    for col in cols:
         table.add_column(col, justify="left" if col == "target" else "right")
     for r in report.rows:
         true = "mixed" if r.true_label is None else str(r.true_label)
         table.add_row(
-            r.target, f"{true} / {r.label}", f"{r.psnr:.1f}", f"{r.chance:.1f}", f"{r.distance:.3g}"
+            r.target,
+            f"{true} / {r.label}",
+            f"{r.psnr:.1f}",
+            f"{r.chance:.1f}",
+            f"{r.mean_image:.1f}",
+            f"{r.distance:.3g}",
         )
     console.print(table)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")

@@ -136,6 +136,8 @@ def test_attack_command_writes_report_and_figure(tmp_path):
     assert targets == ["image 0 gradient", "upload delta", "upload global_delta"]
     first = report["rows"][0]
     assert first["label"] == first["true_label"]  # iDLG's label rule on one sample
+    for row in report["rows"]:  # the no-information guesses are scored like the attack
+        assert 0 < row["chance"] < row["mean_image"] < 100
     assert report["local_steps"] >= 1 and report["algorithm"] == "mh_pfedhng"
     assert (out / "attack.png").stat().st_size > 0
     assert "upload global_delta" in res.output

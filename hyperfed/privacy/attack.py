@@ -13,8 +13,11 @@ does, and receives the client's reply. Two kinds of target are inverted with
   E epochs of batch-B steps, so no single image produced it; the reconstruction is scored
   against the client's training image it resembles most (the attacker's best case).
 
-Images are compared in pixel space ([0, 1]) by PSNR. ``chance`` is the PSNR of the random
-starting point against the same image: what the attack gets with no information.
+Images are compared in pixel space ([0, 1]) by PSNR, and two guesses that use no upload are
+scored the same way (against the true image for a gradient, the best-matching training image
+for an upload): ``chance``, the random starting point, and ``mean_image``, the mean of the
+client's training images -- what an attacker who knew only the client's data distribution
+would draw. A reconstruction below ``mean_image`` shows the kind of data, not an image.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ class AttackRow:
     true_label: int | None  # None for an upload: it mixes many samples
     label: int  # the label iDLG inferred
     psnr: float  # reconstruction vs the (true / nearest) training image, dB
-    chance: float  # the random starting point vs the same image, dB
+    chance: float  # the random starting point, scored the same way, dB
+    mean_image: float  # the client's mean training image, scored the same way, dB
     distance: float  # final gradient distance
     compared_to: int  # index of that image in the client's training split
     reconstruction: Tensor = field(repr=False)  # [C, H, W] in [0, 1]
@@ -139,7 +143,13 @@ def run_attack(
         return x.clamp(0, 1)
 
     train_px = pixels(train_x)
-    start = pixels(torch.randn((1, *data.input_shape), generator=_gen(cfg.seed)).to(train_x))
+    start = pixels(torch.randn((1, *data.input_shape), generator=_gen(cfg.seed)).to(train_x))[0]
+    mean_px = train_px.mean(0)
+
+    def nearest(img: Tensor) -> tuple[float, int]:
+        scores = [psnr(img, ref) for ref in train_px]
+        j = max(range(len(scores)), key=scores.__getitem__)
+        return scores[j], j
 
     def invert(
         fm: FunctionalModel, theta: Tensor, buffers: Tensor, target: Tensor, label: str
@@ -169,7 +179,8 @@ def run_attack(
                 int(train_y[i]),
                 inv.label,
                 psnr(rec, train_px[i]),
-                psnr(start[0], train_px[i]),
+                psnr(start, train_px[i]),
+                psnr(mean_px, train_px[i]),
                 inv.distance,
                 i,
                 rec.cpu(),
@@ -190,15 +201,15 @@ def run_attack(
         target = -update / (lr * steps)  # the mean gradient of one local step
         inv = invert(model, theta, buffers, target, f"upload {key}")
         rec = pixels(inv.x)[0]
-        scores = [psnr(rec, img) for img in train_px]
-        j = max(range(len(scores)), key=scores.__getitem__)
+        score, j = nearest(rec)
         rows.append(
             AttackRow(
                 f"upload {key}",
                 None,
                 inv.label,
-                scores[j],
-                psnr(start[0], train_px[j]),
+                score,
+                nearest(start)[0],
+                nearest(mean_px)[0],
                 inv.distance,
                 j,
                 rec.cpu(),
@@ -218,7 +229,7 @@ def run_attack(
     )
 
 
-def _gen(seed: int) -> torch.Generator:
+def _gen(seed: int) -> torch.Generator:  # the same start as invert_gradient's
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
@@ -242,7 +253,7 @@ def save_report(report: AttackReport, out: Path) -> list[Path]:
             ax.set_xticks([])
             ax.set_yticks([])
         axes[0][j].set_title(row.target, fontsize=9)
-        axes[1][j].set_xlabel(f"{row.psnr:.1f} dB (chance {row.chance:.1f})", fontsize=8)
+        axes[1][j].set_xlabel(f"{row.psnr:.1f} dB (mean image {row.mean_image:.1f})", fontsize=8)
     axes[0][0].set_ylabel("training image")
     axes[1][0].set_ylabel("reconstruction")
     fig.suptitle(
