@@ -8,10 +8,13 @@ does, and receives the client's reply. Two kinds of target are inverted with
   model the server sent -- what a client would leak if it uploaded one step's gradient on a
   batch of one (FedSGD). This shows what the attack can do against this model.
 * **the actual upload**: every model update in the reply (``delta``; MH-pFedHNG(D)'s
-  ``global_delta``; FedAvg's returned ``theta`` minus the sent one), read as the attacker
-  would, as the mean gradient of one local step, ``-update / (lr * steps)``. The client took
-  E epochs of batch-B steps, so no single image produced it; the reconstruction is scored
-  against the client's training image it resembles most (the attacker's best case).
+  ``global_delta``; the returned ``theta`` minus the sent one for FedAvg, Ditto, pFedKT),
+  read as the attacker would, as the mean gradient of one local step,
+  ``-update / (lr * steps)``. (A pFedKT client starts from the model its own hypernetwork
+  generates, which the server never sees; the server can only use the model it sent.)
+  The client took E epochs of batch-B steps, so no single image produced it; the
+  reconstruction is scored against the client's training image it resembles most (the
+  attacker's best case).
 
 Images are compared in pixel space ([0, 1]) by PSNR, and two guesses that use no upload are
 scored the same way (against the true image for a gradient, the best-matching training image
