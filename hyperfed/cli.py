@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hyperfed.deploy.cli import flower_cli
+from hyperfed.deploy.cli import ConfigOpt, SetOpt, flower_cli
 
 app = typer.Typer(
     help="Personalized federated learning with hypernetworks across heterogeneous clients.",
@@ -48,13 +48,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 @app.command()
 def run(
-    config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="TOML or YAML experiment file.")
-    ] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", "-s", help="Override a key, e.g. --set rounds=50 (repeatable)."),
-    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
     out: Annotated[
         Path | None, typer.Option(help="Run directory (default runs/<time>-<algo>).")
     ] = None,
@@ -289,13 +284,8 @@ class Distance(str, Enum):
 
 @app.command()
 def attack(
-    config: Annotated[
-        Path | None, typer.Option("--config", "-c", help="TOML or YAML experiment file.")
-    ] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", "-s", help="Override a key, e.g. --set rounds=50 (repeatable)."),
-    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
     client: Annotated[int, typer.Option(help="The client whose upload is attacked.")] = 0,
     images: Annotated[
         int, typer.Option(help="Also invert this many of its training images' gradients.")

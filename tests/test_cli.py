@@ -9,27 +9,14 @@ import sys
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from cli_helpers import SMALL, invoke
+from cli_helpers import sets as _sets
 
 from hyperfed.algorithms import registry
-from hyperfed.cli import app
 from hyperfed.config import load_config
 from hyperfed.data.partition import PARTITIONS
 from hyperfed.data.sources import dataset_names
 from hyperfed.models.zoo import model_names
-
-# a wide console, so that rich tables never wrap a name
-ENV = {"COLUMNS": "250", "HYPERFED_DATA": None}
-SMALL = [
-    "device=cpu",
-    "dataset.name=digits",
-    "dataset.subsample=300",
-    "clients.count=3",
-    "clients.models=lenet",
-    "algorithm.name=fedavg",
-    "local.epochs=1",
-    "eval_every=1",
-]
 
 
 @pytest.fixture(autouse=True)
@@ -40,14 +27,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args), env=ENV)
-
-
-def _sets(settings: list[str]) -> list[str]:
-    return [a for s in settings for a in ("--set", s)]
 
 
 # -- help and list -----------------------------------------------------------------------------
@@ -65,10 +44,11 @@ def test_python_m_hyperfed_help():
 @pytest.mark.parametrize(
     "args,expected",
     [
-        ([], ["run", "list", "report"]),
+        ([], ["run", "list", "report", "bench", "attack", "flower"]),
         (["run"], ["--config", "--set", "--out", "--resume", "--quiet", "--force"]),
         (["list"], ["algorithms", "models", "datasets", "partitions"]),
         (["report"], ["--out", "--target"]),
+        (["attack"], ["--client", "--images", "--round", "--distance", "--iters", "--out"]),
     ],
 )
 def test_help(args, expected):

@@ -7,9 +7,10 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from cli_helpers import SMALL as BASE
+from cli_helpers import invoke
+from cli_helpers import sets as _sets
 
-from hyperfed.cli import app
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
 from hyperfed.privacy.attack import uploaded_updates
@@ -21,24 +22,7 @@ from hyperfed.privacy.inversion import (
     total_variation,
 )
 
-ENV = {"COLUMNS": "250", "HYPERFED_DATA": None}
-SMALL = [
-    "device=cpu",
-    "dataset.name=digits",
-    "dataset.subsample=300",
-    "clients.count=3",
-    "clients.models=lenet",
-    "local.epochs=1",
-    "rounds=1",
-]
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(app, list(args), env=ENV)
-
-
-def _sets(settings: list[str]) -> list[str]:
-    return [a for s in settings for a in ("--set", s)]
+SMALL = [*BASE, "rounds=1"]
 
 
 def _model(name: str, shape: tuple[int, ...], classes: int = 5) -> FunctionalModel:

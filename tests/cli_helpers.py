@@ -1,0 +1,29 @@
+"""Calling the ``hyperfed`` command in-process (shared by the CLI tests)."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from hyperfed.cli import app
+
+# a wide console, so that rich tables never wrap a name
+ENV = {"COLUMNS": "250", "HYPERFED_DATA": None}
+SMALL = [
+    "device=cpu",
+    "dataset.name=digits",
+    "dataset.subsample=300",
+    "clients.count=3",
+    "clients.models=lenet",
+    "algorithm.name=fedavg",
+    "local.epochs=1",
+    "eval_every=1",
+]
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, list(args), env=ENV)
+
+
+def sets(settings: list[str]) -> list[str]:
+    """``--set k=v`` for each setting."""
+    return [a for s in settings for a in ("--set", s)]
