@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
@@ -313,7 +314,7 @@ def attack(
         console=console,
     ) as progress:
 
-        def tick(label: str, total: int) -> Any:
+        def tick(label: str, total: int) -> Callable[[], None]:
             task = progress.add_task(label, total=total)
             return lambda: progress.update(task, advance=1)
 

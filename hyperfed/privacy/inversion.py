@@ -22,6 +22,7 @@ the attacker would, as ``-delta / (lr * steps)``, the mean gradient of one step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,8 @@ DISTANCES = ("cosine", "l2")
 @dataclass
 class Inversion:
     """A reconstructed input (``[1, *input_shape]``, in the model's normalized input space),
-    the label it was optimized for, and the gradient distance at the start and the end."""
+    the label it was optimized for, and the objective (gradient distance, + TV for cosine) at
+    the start and the end."""
 
     x: Tensor
     label: int
@@ -99,7 +101,7 @@ def invert_gradient(
     lr: float = 0.1,
     tv: float = 1e-2,
     seed: int = 0,
-    progress: object | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> Inversion:
     """Reconstruct one input whose gradient at ``theta`` matches ``target`` (``[K]``).
 
@@ -141,7 +143,7 @@ def invert_gradient(
 
         for _ in range(iters):
             lbfgs.step(closure)  # type: ignore[arg-type]
-            if callable(progress):
+            if progress is not None:
                 progress()
         value = last[0]
     else:
@@ -157,7 +159,7 @@ def invert_gradient(
             opt.step()
             sched.step()
             value = d.detach()
-            if callable(progress):
+            if progress is not None:
                 progress()
     return Inversion(dummy.detach(), label, float(value), float(initial))
 
