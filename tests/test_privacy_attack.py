@@ -142,3 +142,24 @@ def test_attack_command_refuses_in_one_line(tmp_path, extra, message):
     assert message in res.output
     assert len(res.output.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_attack_scores_the_distilled_set_the_server_receives(tmp_path):
+    # real-initialized synthetic images after 2 distillation iterations are still the data
+    dd = [
+        "algorithm.name=mh_pfedhndd",
+        "algorithm.distill_model=lenet",
+        "algorithm.distill_iters=2",
+        "algorithm.distill_batch_real=8",
+        "algorithm.ipc=2",
+    ]
+    out = tmp_path / "att"
+    res = invoke(
+        "attack", *_sets([*SMALL, *dd]), "--images", "0", "--iters", "2", "--out", str(out)
+    )
+    assert res.exit_code == 0, res.output
+    rows = json.loads((out / "attack.json").read_text())["rows"]
+    assert [r["target"] for r in rows][0] == "upload delta"
+    syn = rows[-1]
+    assert syn["target"].startswith("synthetic set (")
+    assert syn["psnr"] > syn["mean_image"] + 20

@@ -15,6 +15,9 @@ does, and receives the client's reply. Two kinds of target are inverted with
   The client took E epochs of batch-B steps, so no single image produced it; the
   reconstruction is scored against the client's training image it resembles most (the
   attacker's best case).
+* **the distilled set** (MH-pFedHNDD and its plug-ins): the server receives every client's
+  synthetic images in the setup exchange; nothing is inverted, the synthetic image closest
+  to one of the client's training images is scored (its label is the one the client gave).
 
 Images are compared in pixel space ([0, 1]) by PSNR, and two guesses that use no upload are
 scored the same way (against the true image for a gradient, the best-matching training image
@@ -216,6 +219,25 @@ def run_attack(
                 inv.distance,
                 j,
                 rec.cpu(),
+                train_px[j].cpu(),
+            )
+        )
+    syn_x = getattr(sim.server, "syn_x", None)  # the data-distillation methods' merged S
+    if isinstance(syn_x, Tensor) and syn_x.shape[0]:
+        # no inversion needed: the server holds the clients' synthetic images themselves
+        best = max(((*nearest(img), k) for k, img in enumerate(pixels(syn_x))), key=lambda t: t[0])
+        score, j, k = best
+        rows.append(
+            AttackRow(
+                f"synthetic set ({syn_x.shape[0]} images)",
+                None,
+                int(sim.server.syn_y[k]),  # type: ignore[attr-defined]
+                score,
+                nearest(start)[0],
+                nearest(mean_px)[0],
+                0.0,
+                j,
+                pixels(syn_x[k : k + 1])[0].cpu(),
                 train_px[j].cpu(),
             )
         )
