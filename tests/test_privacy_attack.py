@@ -13,8 +13,9 @@ from cli_helpers import sets as _sets
 
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
-from hyperfed.privacy.attack import uploaded_updates
+from hyperfed.privacy.attack import best_match, uploaded_updates
 from hyperfed.privacy.inversion import (
+    PSNR_MAX,
     infer_label,
     invert_gradient,
     model_gradient,
@@ -85,7 +86,7 @@ def test_inversion_refuses_bad_arguments():
 def test_psnr_and_total_variation_by_hand():
     a = torch.zeros(1, 2, 2)
     assert psnr(a + 0.1, a) == pytest.approx(20.0)  # mse 0.01 -> 10 log10(100)
-    assert psnr(a, a) == float("inf")
+    assert psnr(a, a) == PSNR_MAX
     img = torch.tensor([[[[0.0, 1.0], [0.0, 1.0]]]])  # vertical 0, horizontal 1
     assert float(total_variation(img)) == pytest.approx(1.0)
 
@@ -163,3 +164,12 @@ def test_attack_scores_the_distilled_set_the_server_receives(tmp_path):
     syn = rows[-1]
     assert syn["target"].startswith("synthetic set (")
     assert syn["psnr"] > syn["mean_image"] + 20
+
+
+def test_best_match_finds_copies_and_near_copies():
+    refs = torch.rand(5, 1, 4, 4, generator=torch.Generator().manual_seed(0))
+    images = torch.stack([refs[3], refs[1] + 0.01, torch.zeros(1, 4, 4)])
+    scores = best_match(images, refs)
+    assert scores[0] == PSNR_MAX  # an exact copy
+    assert scores[1] == pytest.approx(40.0, abs=1e-3)  # mse 1e-4
+    assert scores[2] < 20

@@ -17,7 +17,9 @@ does, and receives the client's reply. Two kinds of target are inverted with
   attacker's best case).
 * **the distilled set** (MH-pFedHNDD and its plug-ins): the server receives every client's
   synthetic images in the setup exchange; nothing is inverted, the synthetic image closest
-  to one of the client's training images is scored (its label is the one the client gave).
+  to one of the client's training images is scored (its label is the one the client gave),
+  and the row counts the synthetic images that are copies (>= 50 dB) of any client's
+  training image.
 
 Images are compared in pixel space ([0, 1]) by PSNR, and two guesses that use no upload are
 scored the same way (against the true image for a gradient, the best-matching training image
@@ -39,7 +41,13 @@ from torch import Tensor
 
 from hyperfed.config import ExperimentConfig
 from hyperfed.models.layout import FunctionalModel
-from hyperfed.privacy.inversion import Inversion, invert_gradient, model_gradient, psnr
+from hyperfed.privacy.inversion import (
+    Inversion,
+    invert_gradient,
+    model_gradient,
+    psnr,
+    psnr_of_mse,
+)
 
 # reply key of an update -> key of the model it was trained from in the server's message
 UPDATE_KEYS = {"delta": "theta", "global_delta": "global"}
@@ -225,11 +233,13 @@ def run_attack(
     syn_x = getattr(sim.server, "syn_x", None)  # the data-distillation methods' merged S
     if isinstance(syn_x, Tensor) and syn_x.shape[0]:
         # no inversion needed: the server holds the clients' synthetic images themselves
-        best = max(((*nearest(img), k) for k, img in enumerate(pixels(syn_x))), key=lambda t: t[0])
-        score, j, k = best
+        syn_px = pixels(syn_x)
+        score, j, k = max(((*nearest(img), k) for k, img in enumerate(syn_px)), key=lambda t: t[0])
+        everyone = pixels(data.features(torch.cat(data.train_idx)))  # all clients' images
+        copies = sum(c >= COPY_PSNR for c in best_match(syn_px, everyone))
         rows.append(
             AttackRow(
-                f"synthetic set ({syn_x.shape[0]} images)",
+                f"synthetic set ({syn_x.shape[0]} images, {copies} copies)",
                 None,
                 int(sim.server.syn_y[k]),  # type: ignore[attr-defined]
                 score,
@@ -252,6 +262,17 @@ def run_attack(
         iters,
         rows,
     )
+
+
+COPY_PSNR = 50.0  # dB: above this a synthetic image counts as a copy of a training image
+
+
+def best_match(images: Tensor, references: Tensor) -> list[float]:
+    """For each of ``images`` ``[M, ...]``, its PSNR against the closest of ``references``."""
+    exact = "donot_use_mm_for_euclid_dist"  # the matmul form is not 0 for equal images
+    dist = torch.cdist(images.flatten(1), references.flatten(1), compute_mode=exact)
+    mse = dist.pow(2) / images[0].numel()
+    return [psnr_of_mse(float(m)) for m in mse.min(dim=1).values]
 
 
 def _gen(seed: int) -> torch.Generator:  # the same start as invert_gradient's

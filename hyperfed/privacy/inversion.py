@@ -22,6 +22,7 @@ the attacker would, as ``-delta / (lr * steps)``, the mean gradient of one step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -166,5 +167,12 @@ def invert_gradient(
 
 def psnr(x: Tensor, reference: Tensor) -> float:
     """Peak signal-to-noise ratio in dB of ``x`` against ``reference``, both in [0, 1]."""
-    mse = float((x - reference).pow(2).mean())
-    return float("inf") if mse == 0 else 10.0 * torch.log10(torch.tensor(1.0 / mse)).item()
+    return psnr_of_mse(float((x - reference).pow(2).mean()))
+
+
+PSNR_MAX = 100.0  # dB, what identical images score (keeps the reports finite JSON)
+
+
+def psnr_of_mse(mse: float) -> float:
+    """PSNR in dB of a mean squared error between images in [0, 1], at most ``PSNR_MAX``."""
+    return PSNR_MAX if mse <= 10 ** (-PSNR_MAX / 10) else 10.0 * math.log10(1.0 / mse)
