@@ -21,6 +21,10 @@ The distillation model theta_d is the one the server sends, kept fixed through t
 iterations as Alg. 1 reads; ``distill_resample = true`` instead re-initializes a random
 network every iteration after the first, as DM (Zhao & Bilen) does.
 
+Privacy: started from real samples (``distill_init = "auto"`` without DP), S_i stays close to
+the client's images and, for a class the client holds at most ``ipc`` samples of, *is* those
+images (zero DM loss); ``hyperfed attack`` measures it (README "Privacy"). DP starts from noise.
+
 **Ablations** (config keys under ``[algorithm]``): ``lambda_cc = 0`` (Table 3, w/o L_CC),
 ``universum = false`` (Table 3, w/o UniNeg: L_Reg is SupCon over B_D u B_S), ``ipc`` (Table 4),
 ``train_on = "synthetic"`` (Table 9, only S), DP (Table 6: ``dp_noise`` or ``dp_epsilon``,
