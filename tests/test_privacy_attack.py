@@ -169,7 +169,8 @@ def test_attack_scores_the_distilled_set_the_server_receives(tmp_path):
 def test_best_match_finds_copies_and_near_copies():
     refs = torch.rand(5, 1, 4, 4, generator=torch.Generator().manual_seed(0))
     images = torch.stack([refs[3], refs[1] + 0.01, torch.zeros(1, 4, 4)])
-    scores = best_match(images, refs)
+    scores, index = best_match(images, refs)
+    assert index[:2] == [3, 1]
     assert scores[0] == PSNR_MAX  # an exact copy
     assert scores[1] == pytest.approx(40.0, abs=1e-3)  # mse 1e-4
     assert scores[2] < 20

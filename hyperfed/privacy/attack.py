@@ -161,9 +161,8 @@ def run_attack(
     mean_px = train_px.mean(0)
 
     def nearest(img: Tensor) -> tuple[float, int]:
-        scores = [psnr(img, ref) for ref in train_px]
-        j = max(range(len(scores)), key=scores.__getitem__)
-        return scores[j], j
+        scores, index = best_match(img.unsqueeze(0), train_px)
+        return scores[0], index[0]
 
     def invert(
         fm: FunctionalModel, theta: Tensor, buffers: Tensor, target: Tensor, label: str
@@ -234,9 +233,11 @@ def run_attack(
     if isinstance(syn_x, Tensor) and syn_x.shape[0]:
         # no inversion needed: the server holds the clients' synthetic images themselves
         syn_px = pixels(syn_x)
-        score, j, k = max(((*nearest(img), k) for k, img in enumerate(syn_px)), key=lambda t: t[0])
+        scores, index = best_match(syn_px, train_px)
+        k = max(range(len(scores)), key=scores.__getitem__)
+        score, j = scores[k], index[k]
         everyone = pixels(data.features(torch.cat(data.train_idx)))  # all clients' images
-        copies = sum(c >= COPY_PSNR for c in best_match(syn_px, everyone))
+        copies = sum(c >= COPY_PSNR for c in best_match(syn_px, everyone)[0])
         rows.append(
             AttackRow(
                 f"synthetic set ({syn_x.shape[0]} images, {copies} copies)",
@@ -267,12 +268,13 @@ def run_attack(
 COPY_PSNR = 50.0  # dB: above this a synthetic image counts as a copy of a training image
 
 
-def best_match(images: Tensor, references: Tensor) -> list[float]:
-    """For each of ``images`` ``[M, ...]``, its PSNR against the closest of ``references``."""
+def best_match(images: Tensor, references: Tensor) -> tuple[list[float], list[int]]:
+    """For each of ``images`` ``[M, ...]``: its PSNR against the closest of ``references``
+    ``[N, ...]`` and that reference's index."""
     exact = "donot_use_mm_for_euclid_dist"  # the matmul form is not 0 for equal images
     dist = torch.cdist(images.flatten(1), references.flatten(1), compute_mode=exact)
-    mse = dist.pow(2) / images[0].numel()
-    return [psnr_of_mse(float(m)) for m in mse.min(dim=1).values]
+    mse, index = (dist.pow(2) / images[0].numel()).min(dim=1)
+    return [psnr_of_mse(float(m)) for m in mse], [int(i) for i in index]
 
 
 def _gen(seed: int) -> torch.Generator:  # the same start as invert_gradient's
