@@ -299,7 +299,9 @@ def attack(
         typer.Option(help="cosine (Geiping et al., Adam) or l2 (iDLG as published, L-BFGS)."),
     ] = Distance.cosine,
     iters: Annotated[int, typer.Option(help="Optimization steps per reconstruction.")] = 500,
-    out: Annotated[Path | None, typer.Option(help="Folder for attack.png / attack.json.")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Folder for attack.png, attack.json, config.toml.")
+    ] = None,
 ) -> None:
     """Gradient inversion (iDLG, seed 000 Fig. 6): what the server can rebuild from an upload."""
     from hyperfed.config import load_config
@@ -334,7 +336,7 @@ def attack(
             _fail(str(e))
             return
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    paths = save_report(report, out or Path("runs") / f"{stamp}-attack")
+    paths = save_report(report, out or Path("runs") / f"{stamp}-attack", cfg)
     table = Table(
         title=f"Gradient inversion of client {report.client} ({report.model}), "
         f"{report.algorithm}, round {report.round}, {report.local_steps} local steps"

@@ -125,6 +125,7 @@ def test_attack_command_writes_report_and_figure(tmp_path):
         assert 0 < row["chance"] < row["mean_image"] < 100
     assert report["local_steps"] >= 1 and report["algorithm"] == "mh_pfedhng"
     assert (out / "attack.png").stat().st_size > 0
+    assert 'name = "mh_pfedhng"' in (out / "config.toml").read_text()  # rerunnable
     assert "upload global_delta" in res.output
 
 

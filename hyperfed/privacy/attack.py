@@ -281,15 +281,18 @@ def _gen(seed: int) -> torch.Generator:  # the same start as invert_gradient's
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def save_report(report: AttackReport, out: Path) -> list[Path]:
-    """``attack.json`` and ``attack.png`` (top: the image each reconstruction is compared
-    to; bottom: the reconstruction) in ``out``."""
+def save_report(report: AttackReport, out: Path, cfg: ExperimentConfig) -> list[Path]:
+    """``config.toml`` (the resolved experiment), ``attack.json`` and ``attack.png`` (top:
+    the image each reconstruction is compared to; bottom: the reconstruction) in ``out``."""
     import matplotlib
+
+    from hyperfed.config import to_toml
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(to_toml(cfg))
     (out / "attack.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
     n = len(report.rows)
     fig, axes = plt.subplots(2, n, figsize=(2.0 * n, 4.4), squeeze=False)
@@ -312,4 +315,4 @@ def save_report(report: AttackReport, out: Path) -> list[Path]:
     fig.tight_layout()
     fig.savefig(out / "attack.png", dpi=110)
     plt.close(fig)
-    return [out / "attack.json", out / "attack.png"]
+    return [out / "config.toml", out / "attack.json", out / "attack.png"]
