@@ -143,7 +143,8 @@ def run_attack(
     if not updates:
         raise AttackError(
             f"{cfg.algorithm.name} uploads no model update this attack can read (reply keys: "
-            f"{sorted(reply)}); try mh_pfedhn, mh_pfedhng, mh_pfedhngd, pfedhn or fedavg"
+            f"{sorted(reply)}); it reads the mh_pfedhn* family, pfedhn, fedavg, ditto, pfedkt "
+            "and the *_dd methods"
         )
     arch = sim.arch_of[client]
     group = sim.group(arch, [client], round_)
