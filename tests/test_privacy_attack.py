@@ -175,3 +175,9 @@ def test_best_match_finds_copies_and_near_copies():
     assert scores[0] == PSNR_MAX  # an exact copy
     assert scores[1] == pytest.approx(40.0, abs=1e-3)  # mse 1e-4
     assert scores[2] < 20
+
+
+def test_pixels_undo_the_normalization(digits_data):
+    idx = digits_data.train_idx[0][:5]
+    raw = digits_data.x[idx].float() / 255
+    torch.testing.assert_close(digits_data.pixels(digits_data.features(idx)), raw)

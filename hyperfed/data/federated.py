@@ -54,6 +54,13 @@ class FederatedData:
                 x = (x - self.mean.view(shape).to(x.dtype)) / self.std.view(shape).to(x.dtype)
         return x
 
+    def pixels(self, x: Tensor) -> Tensor:
+        """Normalized images ``[..., C, H, W]`` (from :meth:`features`) back in [0, 1]."""
+        if self.mean.numel():
+            shape = [1] * (x.dim() - 3) + [-1, 1, 1]
+            x = x * self.std.view(shape).to(x) + self.mean.view(shape).to(x)
+        return x.clamp(0, 1)
+
     def batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         return self.features(idx), self.y[idx]
 

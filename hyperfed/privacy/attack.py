@@ -47,6 +47,7 @@ from hyperfed.privacy.inversion import (
     model_gradient,
     psnr,
     psnr_of_mse,
+    starting_point,
 )
 
 # reply key of an update -> key of the model it was trained from in the server's message
@@ -151,14 +152,9 @@ def run_attack(
     steps = group.plan().counts[0]
     data = sim.data
     train_x, train_y = data.batch(data.train_idx[client])
-    shape = [1, -1, 1, 1]
-
-    def pixels(x: Tensor) -> Tensor:
-        x = x * data.std.view(shape).to(x) + data.mean.view(shape).to(x)
-        return x.clamp(0, 1)
-
+    pixels = data.pixels
     train_px = pixels(train_x)
-    start = pixels(torch.randn((1, *data.input_shape), generator=_gen(cfg.seed)).to(train_x))[0]
+    start = pixels(starting_point(data.input_shape, cfg.seed).to(train_x))[0]
     mean_px = train_px.mean(0)
 
     def nearest(img: Tensor) -> tuple[float, int]:
@@ -276,10 +272,6 @@ def best_match(images: Tensor, references: Tensor) -> tuple[list[float], list[in
     dist = torch.cdist(images.flatten(1), references.flatten(1), compute_mode=exact)
     mse, index = (dist.pow(2) / images[0].numel()).min(dim=1)
     return [psnr_of_mse(float(m)) for m in mse], [int(i) for i in index]
-
-
-def _gen(seed: int) -> torch.Generator:  # the same start as invert_gradient's
-    return torch.Generator(device="cpu").manual_seed(seed)
 
 
 def save_report(report: AttackReport, out: Path, cfg: ExperimentConfig) -> list[Path]:

@@ -79,6 +79,11 @@ def model_gradient(
     return grad
 
 
+def starting_point(input_shape: tuple[int, ...], seed: int) -> Tensor:
+    """The dummy input ``[1, *input_shape]`` an inversion with ``seed`` starts from."""
+    return torch.randn((1, *input_shape), generator=torch.Generator().manual_seed(seed))
+
+
 def total_variation(x: Tensor) -> Tensor:
     """Mean absolute difference of neighbouring pixels (images ``[N, C, H, W]``); 0 for vectors."""
     if x.dim() < 4:
@@ -117,9 +122,7 @@ def invert_gradient(
     if label is None:
         label = infer_label(fm, target, num_classes)
     y = torch.tensor([label], device=theta.device)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    dummy = torch.randn((1, *input_shape), generator=gen).to(theta.device, theta.dtype)
-    dummy.requires_grad_(True)
+    dummy = starting_point(input_shape, seed).to(theta.device, theta.dtype).requires_grad_(True)
     target = target.detach()
 
     def gap() -> Tensor:
