@@ -8,14 +8,14 @@ BIN     = $(VENV)/bin
 # multi-GB CUDA build. Skipped when the environment already has a torch >= 2.4.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint bench data clean
+.PHONY: install run test lint docs bench data clean
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,flower,privacy]"
+	$(BIN)/pip install -q -e ".[dev,flower,flwr-datasets,privacy]"
 	touch $@
 
 run: install
@@ -29,6 +29,15 @@ lint: install
 	$(BIN)/ruff format --check hyperfed tests benchmarks
 	$(BIN)/mypy hyperfed
 
+# the documentation site (README sections + API reference from docstrings) in site/; --strict:
+# a broken include, link or docstring reference fails the build (CI runs it)
+docs: $(VENV)/.docs-installed
+	$(BIN)/mkdocs build --strict
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $@
+
 bench: install
 	$(BIN)/hyperfed bench
 
@@ -37,4 +46,4 @@ data:
 	@test -d /usr/share/datasets/fashion-mnist || (apt-get update -q && apt-get install -y -q dataset-fashion-mnist)
 
 clean:
-	rm -rf $(VENV) runs report .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs report site .pytest_cache .mypy_cache .ruff_cache

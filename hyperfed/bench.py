@@ -8,7 +8,13 @@ every 10 rounds. Each execution path runs the same rounds from the same seed:
 - ``loop``: the engine's functional step, client after client (with channels-last
   activations on a CPU, ``local.channels_last``); ``loop-nchw``: the same without them;
 - ``vmap``: the engine, all clients of one architecture in one vmapped step;
-- ``graphs`` (GPU): ``vmap`` with each step replayed as one captured CUDA graph.
+- ``graphs`` (GPU): ``vmap`` with each step replayed as one captured CUDA graph;
+- ``compiled``: ``loop`` with each architecture's step compiled by torch.compile
+  (``local.compile = "on"``; the compile happens in the warm-up round, outside the timing).
+
+:func:`step_table` (``hyperfed bench --models ...``) times one client's local step per zoo
+model instead and reports its FLOP/s against the machine's dense-matmul FLOP/s, measured in
+the same process, and (``--compile``) the compiled step's compile seconds and speed-up.
 
 Hypernetwork generation and update are included in every path. Seconds per round count a
 tenth of an evaluation (eval every 10 rounds). Never a unit test: it prints ratios.
@@ -16,21 +22,45 @@ tenth of an evaluation (eval every 10 rounds). Never a unit test: it prints rati
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import resource
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+from torch import Tensor
 
 from hyperfed.config import ConfigError, ExperimentConfig, load_config
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import GRAPH_STATS
+from hyperfed.engine.local import (
+    COMPILE_STATS,
+    GRAPH_STATS,
+    BatchPlan,
+    FlopMeter,
+    SGDConfig,
+    client_seed,
+    compiled_loss,
+    plan_batches,
+    train_clients,
+)
+from hyperfed.models.layout import FunctionalModel, channels_last
+from hyperfed.models.zoo import ModelInputError, build_model, check_input, model_names
 from hyperfed.runtime.simulate import Simulation, resolve_device, use_channels_last
 
 HETERO = ["lenet", "vgg8", "resnet10", "resnet12", "resnet18"]
 # path -> local.vectorize
-MODES = {"reference": "reference", "loop": "off", "loop-nchw": "off", "vmap": "on", "graphs": "on"}
+MODES = {
+    "reference": "reference",
+    "loop": "off",
+    "loop-nchw": "off",
+    "compiled": "off",
+    "vmap": "on",
+    "graphs": "on",
+}
 
 
 def synthetic_federation(
@@ -101,6 +131,7 @@ def _bench_config(
             f"rounds={rounds}",
             f"local.cuda_graphs={'on' if mode == 'graphs' else 'off'}",
             f"local.channels_last={'off' if mode == 'loop-nchw' else 'auto'}",
+            f"local.compile={'on' if mode == 'compiled' else 'off'}",
         ],
     )
 
@@ -119,7 +150,7 @@ def bench_mode(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sim = Simulation(cfg, data=data)
-    sim.run_round(1)  # warm-up: allocations, lazy initialisation
+    sim.run_round(1)  # warm-up: allocations, lazy initialisation (and compilation)
     _sync(device)
     t0 = time.perf_counter()
     for rnd in range(2, rounds + 2):
@@ -202,12 +233,15 @@ def run_benchmark(
     results = []
     for mode in modes:
         GRAPH_STATS.update(captured=0, failed=0)
+        COMPILE_STATS.update(compiled=0, failed=0)
         r = bench_mode(mode, data, models, rounds, algorithm, dev, batch_size, epochs)
         results.append(r)
-        graphs = f" ({GRAPH_STATS['captured']} graphs captured, {GRAPH_STATS['failed']} failed)"
-        printer(
-            f"  {mode:<9} {r.seconds_per_round:8.3f} s/round" + (graphs if mode == "graphs" else "")
-        )
+        extra = ""
+        if mode == "graphs":
+            extra = f" ({GRAPH_STATS['captured']} graphs captured, {GRAPH_STATS['failed']} failed)"
+        if mode == "compiled":
+            extra = f" ({COMPILE_STATS['compiled']} compiled, {COMPILE_STATS['failed']} failed)"
+        printer(f"  {mode:<9} {r.seconds_per_round:8.3f} s/round" + extra)
     base = next((r for r in results if r.mode == "reference"), results[0])
     printer("")
     printer("| path | s/round | speed-up vs reference | 500 rounds | peak memory (MB) |")
@@ -221,3 +255,146 @@ def run_benchmark(
     if dev.type == "cpu":
         printer("(CPU peak memory is the process's peak RSS so far, not per path)")
     return results
+
+
+# -- per-model local step: FLOP/s against the machine's dense matmul, and torch.compile ------
+
+
+def _timed(device: torch.device, fn: Callable[..., object], *args: object) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn(*args)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def matmul_flops(device: torch.device, n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of one dense ``n x n`` fp32 matmul (``2 n^3`` FLOPs), best of ``reps``, with
+    this process's thread count: the machine's practical limit for a training step."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b  # warm-up
+    best = min(_timed(device, torch.mm, a, b) for _ in range(reps))
+    return 2 * n**3 / best
+
+
+@dataclass
+class StepResult:
+    model: str
+    flops_per_step: int
+    eager_s: float  # median seconds per local step (the engine's client loop)
+    matmul_flops: float  # median dense-matmul FLOP/s, measured between the steps
+    compiled_s: float | None = None  # the same step compiled
+    compile_s: float | None = None  # the compile (first compiled steps minus eager steps)
+
+    @property
+    def flops(self) -> float:
+        return self.flops_per_step / self.eager_s
+
+
+def _client_steps(
+    fm: FunctionalModel,
+    theta: Tensor,
+    buffers: Tensor,
+    data: FederatedData,
+    plan: BatchPlan,
+    sgd: SGDConfig,
+) -> object:
+    return train_clients(fm, theta, buffers, data, plan, sgd, vectorize=False)
+
+
+def step_table(
+    models: list[str],
+    shape: tuple[int, ...] = (3, 32, 32),
+    classes: int = 100,
+    batch_size: int = 64,
+    steps: int = 5,
+    repeats: int = 5,
+    compile: bool = False,
+    device: str = "auto",
+    printer=print,  # type: ignore[no-untyped-def]
+) -> list[StepResult]:
+    """Per model: one client's local step as the engine's client loop runs it (forward,
+    backward, in-place SGD; channels-last on a CPU), its FLOPs as :class:`FlopMeter` counts
+    them, and its FLOP/s against a dense matmul timed in between (``repeats`` interleaved
+    rounds of ``steps`` steps each; medians). ``compile``: also the torch.compile'd step."""
+    dev = resolve_device(device)
+    for m in models:
+        try:
+            check_input(m, shape)
+        except ModelInputError as e:
+            raise ConfigError(f"--models: {e}; choose another --shape or model") from None
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    printer(
+        f"local step of one client: batch {batch_size}, input {shape}, {classes} classes; "
+        f"device {name} ({torch.get_num_threads()} threads), torch {torch.__version__}; "
+        f"medians of {repeats} interleaved rounds of {steps} steps"
+    )
+    data = synthetic_federation(1, batch_size * steps, shape, classes).to(dev)
+    plan = plan_batches(data.train_idx, 1, batch_size, [client_seed(0, 1, 0)])
+    sgd = SGDConfig(lr=0.01, momentum=0.9, weight_decay=1e-4, epochs=1, batch_size=batch_size)
+    compiled_sgd = dataclasses.replace(sgd, compile="on")
+    results = []
+    with channels_last(dev.type == "cpu"):
+        for m in models:
+            torch.manual_seed(0)
+            fm = FunctionalModel(build_model(m, shape, classes).to(dev), m)
+            theta, buffers = fm.initial_params()[None], fm.initial_buffers()[None].to(dev)
+
+            run = partial(_client_steps, fm, theta, buffers, data, plan)
+
+            with FlopMeter() as meter:
+                run(sgd)  # warm-up
+            flops = meter.total // plan.steps
+            first = None
+            if compile:
+                first = _timed(dev, run, compiled_sgd)
+            eager, mm, comp = [], [], []
+            for _ in range(repeats):
+                mm.append(matmul_flops(dev))
+                eager.append(_timed(dev, run, sgd) / plan.steps)
+                if compile:
+                    comp.append(_timed(dev, run, compiled_sgd) / plan.steps)
+            r = StepResult(m, flops, statistics.median(eager), statistics.median(mm))
+            if compile and first is not None:
+                ok = compiled_loss(fm) is not None
+                r.compiled_s = statistics.median(comp) if ok else None
+                r.compile_s = first - plan.steps * (r.compiled_s or r.eager_s) if ok else None
+            results.append(r)
+            done = f"  {m}: {1e3 * r.eager_s:.2f} ms/step, {r.flops / 1e9:.2f} GFLOP/s"
+            if r.compiled_s is not None:
+                done += f"; compiled {1e3 * r.compiled_s:.2f} ms/step, compile {r.compile_s:.0f} s"
+            printer(done)
+    printer("")
+    head = "| model | MFLOP/step | ms/step | GFLOP/s | matmul GFLOP/s | fraction |"
+    rule = "|---|---|---|---|---|---|"
+    if compile:
+        head += " compiled ms/step | speed-up | compile s |"
+        rule += "---|---|---|"
+    printer(head)
+    printer(rule)
+    for r in results:
+        line = (
+            f"| {r.model} | {r.flops_per_step / 1e6:.1f} | {1e3 * r.eager_s:.2f} | "
+            f"{r.flops / 1e9:.2f} | {r.matmul_flops / 1e9:.1f} | "
+            f"{r.flops / r.matmul_flops:.1%} |"
+        )
+        if compile:
+            if r.compiled_s is None:
+                line += " failed | - | - |"
+            else:
+                line += (
+                    f" {1e3 * r.compiled_s:.2f} | {r.eager_s / r.compiled_s:.2f}x | "
+                    f"{r.compile_s:.1f} |"
+                )
+        printer(line)
+    return results
+
+
+def parse_models(spec: str) -> list[str]:
+    """``--models``: comma-separated zoo names, or ``all``."""
+    names = model_names() if spec.strip() == "all" else [m.strip() for m in spec.split(",")]
+    unknown = [m for m in names if m not in model_names()]
+    if unknown:
+        raise ConfigError(f"--models: unknown model(s) {unknown}; see `hyperfed list models`")
+    return names

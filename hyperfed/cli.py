@@ -30,7 +30,7 @@ from hyperfed.terminal import console, err_console, fail, print_final
 app = typer.Typer(
     help="Personalized federated learning with hypernetworks across heterogeneous clients.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # hyperfed --install-completion / --show-completion (bash, zsh, fish)
     pretty_exceptions_enable=False,
 )
 app.add_typer(flower_cli, name="flower")
@@ -88,9 +88,10 @@ def run(
 
 
 def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
-    from hyperfed.report import write_summary
+    from hyperfed.report import LABEL_PLOT, plot_label_distribution, write_summary
 
     cfg = sim.cfg
+    plot_label_distribution(sim.data.label_counts(), run_dir.path / LABEL_PLOT)
     if not quiet:
         groups = ", ".join(f"{len(c)}x {n}" for n, c in sim.groups.items())
         console.print(
@@ -164,6 +165,13 @@ def list_(
     classes: Annotated[int, typer.Option(help="Number of classes for parameter counts.")] = 100,
 ) -> None:
     """List algorithms, models (with parameter counts), datasets or partitions."""
+    try:
+        _list_table(what, input_shape, classes)
+    except HyperfedError as e:  # e.g. a plugin whose name clashes with a built-in
+        fail(str(e))
+
+
+def _list_table(what: ListWhat, input_shape: str, classes: int) -> None:
     table = Table()
     if what is ListWhat.algorithms:
         from hyperfed.algorithms import registry
@@ -210,11 +218,11 @@ def list_(
                 count = f"n/a ({e})"
             table.add_row(name, count, describe_model(name))
     elif what is ListWhat.datasets:
-        from hyperfed.data.sources import DATASETS
+        from hyperfed.data.sources import dataset_entries
 
         table.add_column("name")
         table.add_column("description")
-        for name, entry in DATASETS.items():
+        for name, entry in dataset_entries().items():
             table.add_row(name, getattr(entry, "description", ""))
     else:
         from hyperfed.data.partition import PARTITIONS
@@ -222,7 +230,21 @@ def list_(
         table.add_column("name")
         for p in PARTITIONS:
             table.add_row(p)
+        table.add_row("natural (the dataset's own writers: synthetic, npz client, hf_disk)")
+        table.add_row("flwr:<Partitioner> (flwr-datasets; arguments in partition.flwr)")
     console.print(table)
+
+
+@app.command()
+def schema() -> None:
+    """Print the config's JSON schema (for editor completion of TOML / YAML config files)."""
+    import json
+
+    from hyperfed.config import ExperimentConfig
+
+    schema = ExperimentConfig.model_json_schema()
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+    print(json.dumps(schema, indent=2))
 
 
 @app.command()
@@ -426,11 +448,33 @@ def bench(
     profile: Annotated[
         bool, typer.Option(help="First print a torch.profiler table of one engine round.")
     ] = False,
+    models: Annotated[
+        str | None,
+        typer.Option(
+            help="Instead: time one client's local step per model (comma-separated, or all): "
+            "FLOP/s against the machine's matmul FLOP/s."
+        ),
+    ] = None,
+    compile_: Annotated[
+        bool, typer.Option("--compile", help="With --models: also the torch.compile'd step.")
+    ] = False,
 ) -> None:
     """Time the papers' per-client loop against the engine on the same workload."""
-    from hyperfed.bench import run_benchmark
+    from hyperfed.bench import parse_models, run_benchmark, step_table
 
+    printer = lambda line: console.print(line, highlight=False, soft_wrap=True)  # noqa: E731
     try:
+        if models is not None:
+            step_table(
+                parse_models(models),
+                shape=tuple(int(s) for s in shape.split(",")),
+                classes=classes,
+                batch_size=batch_size,
+                compile=compile_,
+                device=device,
+                printer=printer,
+            )
+            return
         run_benchmark(
             clients=clients,
             samples=samples,
@@ -444,7 +488,7 @@ def bench(
             batch_size=batch_size,
             epochs=epochs,
             profile=profile,
-            printer=lambda line: console.print(line, highlight=False, soft_wrap=True),
+            printer=printer,
         )
     except HyperfedError as e:
         fail(str(e))

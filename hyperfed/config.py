@@ -46,6 +46,11 @@ class _Section(BaseModel):
 class DatasetConfig(_Section):
     name: str = "digits"
     data_dir: str | None = None
+    # your own data (name = folder | npz | hf_disk): the folder or file to read
+    path: str | None = None
+    # keyword options of the dataset's loader, e.g. {image_size = 32} for folder,
+    # {label_column = "fine_label"} for hf_disk, {num_users = 50} for synthetic
+    options: dict[str, Any] | None = None
     subsample: int | None = Field(None, ge=10)  # keep a random subset of this many samples
 
     @field_validator("name")
@@ -57,13 +62,54 @@ class DatasetConfig(_Section):
             raise ValueError(f"unknown dataset {v!r}; allowed: {', '.join(dataset_names())}")
         return v
 
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        # the run directory's config.toml must name the same data from any working directory
+        return None if v is None else str(Path(v).expanduser().absolute())
+
+    def load(self) -> Any:
+        """The :class:`~hyperfed.data.sources.ArrayDataset` this section names (``path`` and
+        ``options`` passed to its loader)."""
+        from hyperfed.data.sources import load_dataset
+
+        extra = {"path": self.path} if self.path is not None else {}
+        return load_dataset(self.name, self.data_dir, **{**(self.options or {}), **extra})
+
+
+PARTITION_NAMES = ("quantity", "dirichlet", "pathological", "iid", "natural")
+
 
 class PartitionConfig(_Section):
-    name: Literal["quantity", "dirichlet", "pathological", "iid", "natural"] = "quantity"
+    # one of PARTITION_NAMES, or "flwr:<Partitioner>" for a flwr-datasets partitioner
+    name: str = "quantity"
     classes_per_client: int = Field(2, ge=1)
     alpha: float = Field(0.5, gt=0)
     test_fraction: float = Field(0.25, gt=0, lt=1)
     val_fraction: float = Field(0.0, ge=0, lt=1)
+    # keyword arguments of the flwr-datasets partitioner, e.g. {alpha = 0.3} for
+    # flwr:DirichletPartitioner (num_partitions = clients.count, seed = the run's seed and
+    # partition_by = "label" are filled in)
+    flwr: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in PARTITION_NAMES and not (v.startswith("flwr:") and len(v) > 5):
+            raise ValueError(
+                f"allowed: {', '.join(PARTITION_NAMES)} or flwr:<Partitioner> "
+                "(e.g. flwr:DirichletPartitioner)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _flwr_args(self) -> PartitionConfig:
+        if self.flwr and not self.name.startswith("flwr:"):
+            raise ValueError(
+                f"partition.flwr holds a flwr-datasets partitioner's arguments, but "
+                f"partition.name = {self.name}; set partition.name = flwr:<Partitioner>"
+            )
+        return self
 
 
 class ClientsConfig(_Section):
@@ -131,13 +177,19 @@ class AlgorithmConfig(BaseModel):
     @property
     def params(self) -> dict[str, Any]:
         extra = dict(self.model_extra or {})
-        flat = {k: v for k, v in extra.items() if not isinstance(v, dict)}
+        sections = set(self.sections)
+        flat = {k: v for k, v in extra.items() if k not in sections}
         section = extra.get(self.name, {})
         return {**flat, **(section if isinstance(section, dict) else {})}
 
     @property
     def sections(self) -> list[str]:
-        return [k for k, v in (self.model_extra or {}).items() if isinstance(v, dict)]
+        """Per-method tables: tables named after an algorithm (any other table, such as
+        ``graph_args``, is a hyperparameter whose value is a table)."""
+        from hyperfed.algorithms import registry
+
+        extra = self.model_extra or {}
+        return [k for k, v in extra.items() if isinstance(v, dict) and k in registry()]
 
 
 class LocalConfig(_Section):
@@ -161,6 +213,24 @@ class LocalConfig(_Section):
     # same arithmetic, faster oneDNN kernels on a CPU (2 cores: 1.2-1.4x per LeNet step);
     # auto: on for CPU runs. Not measured on a GPU, where the vmapped step cannot use it.
     channels_last: Literal["auto", "on", "off"] = "auto"
+    # torch.compile (inductor) of the client loop's cross-entropy step (forward + backward),
+    # compiled once per architecture; a model that fails to compile runs eagerly. auto: only
+    # the models in hyperfed.engine.local.COMPILE_AUTO, measured faster on a CPU.
+    compile: Literal["auto", "on", "off"] = "auto"
+    # CPU only: train each round's clients in N worker processes (one torch thread each, the
+    # client data in shared memory), each architecture group split into N chunks; the replies
+    # are identical to workers = 1 (one process, today's path). auto: one per physical core,
+    # at most one per client trained in a round (docs/scaling.md)
+    workers: int | str = 1
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> int | str:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v  # type: ignore[no-any-return]
+        if isinstance(v, str) and v.isdigit() and int(v) >= 1:
+            return int(v)
+        raise ValueError("allowed: auto or a whole number >= 1")
 
 
 class ExperimentConfig(_Section):
@@ -189,9 +259,11 @@ class ExperimentConfig(_Section):
                     f"named after one of: {', '.join(registry())}"
                 )
         allowed = {f.name for f in dataclasses.fields(alg.hparams)}
-        for key in self.algorithm.params:
+        for key, value in self.algorithm.params.items():
             if key not in allowed:
                 close = difflib.get_close_matches(key, allowed, n=3)
+                if isinstance(value, dict):  # a per-method table with a mistyped name?
+                    close += difflib.get_close_matches(key, registry(), n=3)
                 hint = f"did you mean {' or '.join(close)}? " if close else ""
                 raise ConfigError(
                     f"algorithm.{key}: unknown key for {alg.name}; {hint}allowed: "
@@ -312,31 +384,16 @@ def load_config(
 
 
 def to_toml(cfg: ExperimentConfig) -> str:
-    """Resolved config as TOML (written into every run directory)."""
-    data = cfg.model_dump(exclude_none=True)
-    return _toml_dump(data)
+    """Resolved config as TOML (written into every run directory; tomli-w writes it)."""
+    import tomli_w
+
+    return tomli_w.dumps(_drop_none(cfg.model_dump(exclude_none=True)))
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _toml_dump(data: dict[str, Any], prefix: str = "") -> str:
-    lines = [
-        f"{k} = {_toml_value(v)}"
-        for k, v in data.items()
-        if not isinstance(v, dict) and v is not None
-    ]
-    for k, v in data.items():
-        if isinstance(v, dict):
-            lines.append(f"\n[{prefix}{k}]")
-            lines.append(_toml_dump(v, f"{prefix}{k}.").rstrip("\n"))
-    return "\n".join(line for line in lines if line) + "\n"
+def _drop_none(value: Any) -> Any:
+    """TOML has no null: unset keys are left out (at any depth)."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_drop_none(v) for v in value]
+    return value

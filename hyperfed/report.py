@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hyperfed.errors import HyperfedError
 from hyperfed.runtime.rundir import SUMMARY, read_metrics
 
@@ -293,6 +295,48 @@ def plot_runs(summaries: list[dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
+LABEL_PLOT = "label_distribution.png"
+
+
+def plot_label_distribution(
+    counts: Any, path: str | Path, *, annotate_up_to: int = 400
+) -> np.ndarray:
+    """Heat map of how many samples of each class each client holds (clients x classes), with
+    the (non-zero) counts written in the cells when there are at most ``annotate_up_to`` cells.
+    Returns the matrix it drew (``FederatedData.label_counts()`` for a run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = np.asarray(counts, dtype=np.int64)
+    if m.ndim != 2:
+        raise ValueError(f"label counts must be a [clients, classes] matrix, got shape {m.shape}")
+    k, c = m.shape
+    fig, ax = plt.subplots(figsize=(min(2.0 + 0.45 * c, 16.0), min(1.5 + 0.35 * k, 16.0)))
+    image = ax.imshow(m, aspect="auto", cmap="viridis", interpolation="nearest")
+    fig.colorbar(image, ax=ax, label="samples")
+    if 0 < m.size <= annotate_up_to:
+        high = m.max() / 2 if m.max() else 1
+        for i in range(k):
+            for j in range(c):
+                if not m[i, j]:
+                    continue
+                colour = "black" if m[i, j] > high else "white"
+                ax.text(j, i, str(m[i, j]), ha="center", va="center", fontsize=7, color=colour)
+    ax.set_xlabel("class")
+    ax.set_ylabel("client")
+    ax.set_title(f"samples per client and class ({k} clients, {int(m.sum())} samples)")
+    if c <= 40:
+        ax.set_xticks(range(c))
+    if k <= 40:
+        ax.set_yticks(range(k))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return m
+
+
 def write_report(
     run_dirs: Sequence[str | Path], out: str | Path, target: float | None = None
 ) -> Path:
@@ -340,6 +384,8 @@ def write_summary(run_dir: str | Path) -> Path:
             "are over the others."
         )
     lines.append("\n![accuracy](accuracy_vs_round.png)\n")
+    if (run_dir / LABEL_PLOT).exists():
+        lines.append(f"Samples per client and class: ![label distribution]({LABEL_PLOT})\n")
     ckpt = run_dir / "checkpoint.pt"
     if ckpt.exists():
         lines.append(f"Checkpoint for `--resume`: {ckpt.stat().st_size / 1e6:.1f} MB.\n")

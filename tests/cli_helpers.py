@@ -21,7 +21,15 @@ SMALL = [
 
 
 def invoke(*args: str):
-    return CliRunner().invoke(app, list(args), env=ENV)
+    from hyperfed.terminal import console
+
+    # rich reads COLUMNS once, when the console is made (at import): set the width itself
+    before = console.width
+    console.width = int(ENV["COLUMNS"] or 250)
+    try:
+        return CliRunner().invoke(app, list(args), env=ENV)
+    finally:
+        console.width = before
 
 
 def sets(settings: list[str]) -> list[str]:

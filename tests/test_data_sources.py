@@ -105,6 +105,9 @@ def test_registry_names() -> None:
         "cifar100",
         "tiny_imagenet",
         "synthetic",
+        "folder",  # your own data (tests/test_own_data.py)
+        "npz",
+        "hf_disk",
     }
     assert set(dataset_names()) == expected == set(DATASETS)
     for entry in DATASETS.values():

@@ -2,7 +2,9 @@
 
 import copy
 import dataclasses
+import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from hyperfed.engine.local import (
     SGDConfig,
     client_seed,
+    evaluate_clients,
     plan_batches,
     train_clients,
     train_reference,
@@ -202,3 +205,103 @@ def test_training_inside_measured_flops_is_counted_once() -> None:
         train()
     _, measured = measured_flops(train)
     assert measured == direct.get_total_flops() > 0
+
+
+# -- local.compile: the client loop's step compiled by torch.compile --------------------------
+
+
+def _inductor_available() -> bool:
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+@pytest.mark.skipif(not _inductor_available(), reason="inductor needs a C++ compiler")
+def test_compiled_step_equals_eager_step(digits_data):
+    from hyperfed.engine import local
+
+    clients = [0, 1]
+    fm, theta, buffers, plan, sgd = _setup("mlp", digits_data.to(DEVICE), clients)
+    eager = train_clients(fm, theta, buffers, digits_data, plan, sgd, vectorize=False)
+    before = dict(local.COMPILE_STATS)
+    on = dataclasses.replace(sgd, compile="on")
+    compiled = train_clients(fm, theta, buffers, digits_data, plan, on, vectorize=False)
+    assert local.COMPILE_STATS["compiled"] == before["compiled"] + 1, "the step was compiled"
+    assert local.COMPILE_STATS["failed"] == before["failed"]
+    for a, b in zip(compiled, eager):
+        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
+    assert not torch.allclose(compiled[0], theta), "training must change the parameters"
+    # cached per model: a second call (another round) compiles nothing new
+    train_clients(fm, theta, buffers, digits_data, plan, on, vectorize=False)
+    assert local.COMPILE_STATS["compiled"] == before["compiled"] + 1
+
+
+@pytest.mark.parametrize("where", ["torch.compile", "first call"])
+def test_compile_failure_falls_back_to_the_eager_step(where, digits_data, monkeypatch, caplog):
+    from hyperfed.engine import local
+
+    def broken_compile(fn, **kwargs):
+        if where == "torch.compile":
+            raise RuntimeError("no compiler here")
+
+        def run(*args):
+            raise RuntimeError("inductor failed")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    fm, theta, buffers, plan, sgd = _setup("lenet", digits_data.to(DEVICE), [0, 1])
+    eager = train_clients(fm, theta, buffers, digits_data, plan, sgd, vectorize=False)
+    failed = local.COMPILE_STATS["failed"]
+    on = dataclasses.replace(sgd, compile="on")
+    with caplog.at_level(logging.DEBUG, logger="hyperfed"):
+        out = train_clients(fm, theta, buffers, digits_data, plan, on, vectorize=False)
+        train_clients(fm, theta, buffers, digits_data, plan, on, vectorize=False)
+    assert local.COMPILE_STATS["failed"] == failed + 1, "tried once per model, then eager"
+    assert [r.levelno for r in caplog.records if "torch.compile" in r.message] == [logging.DEBUG]
+    for a, b in zip(out, eager):
+        assert torch.equal(a, b)
+
+
+def test_compile_auto_uses_only_the_measured_models(monkeypatch):
+    from hyperfed.engine import local
+
+    fm = FunctionalModel(build_model("lenet", (1, 8, 8), 3), "lenet")
+    auto = SGDConfig(compile="auto")
+    monkeypatch.setattr(local, "COMPILE_AUTO", {})
+    assert not local.use_compile(auto, fm, torch.zeros(1, 2))
+    monkeypatch.setattr(local, "COMPILE_AUTO", {"lenet": 1.2})
+    assert local.use_compile(auto, fm, torch.zeros(1, 2))
+    assert not local.use_compile(SGDConfig(compile="off"), fm, torch.zeros(1, 2))
+
+
+# -- evaluation of all clients, batched -------------------------------------------------------
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_batched_evaluation_equals_per_client_evaluation(vectorize, digits_data):
+    data = digits_data.to(DEVICE)
+    fm, theta, buffers, _, _ = _setup("lenet", data, [0, 1, 2, 3])
+    # clients 0 and 2 hold one model (as under FedAvg), 1 and 3 their own
+    theta[2], buffers[2] = theta[0], buffers[0]
+    ids = [3, 1, 0, 2]  # positions in theta are not client ids
+    ok, tot, ls = evaluate_clients(fm, theta, buffers, data, ids, chunk=16, vectorize=vectorize)
+    for r, cid in enumerate(ids):
+        x, y = data.batch(data.test_idx[cid])
+        with torch.no_grad():
+            logits = fm.forward(theta[r], buffers[r], x)
+        assert tot[r] == len(y) > 16, "each client's samples span several chunks"
+        assert ok[r] == (logits.argmax(1) == y).sum()
+        want = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+        assert torch.allclose(ls[r], want, rtol=1e-5), (ls[r], want)
+    assert 0 < ok.sum() < tot.sum()
+
+
+def test_same_models_groups_equal_rows_only():
+    from hyperfed.engine.local import _same_models
+
+    theta = torch.tensor([[1.0, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 4]])
+    buffers = torch.tensor([[0.0], [5], [0], [0]])  # row 1: same weights, other statistics
+    assert _same_models(theta, buffers) == [[0, 2], [1], [3]]

@@ -15,7 +15,7 @@ import hyperfed
 
 # bottom -> top; a module belongs to the layer of the longest prefix that names it
 LAYERS: list[tuple[str, list[str]]] = [
-    ("errors", ["hyperfed.errors", "hyperfed.hparams"]),
+    ("errors", ["hyperfed.errors", "hyperfed.hparams", "hyperfed.plugins"]),
     ("data", ["hyperfed.data"]),
     ("models", ["hyperfed.models"]),
     ("hypernet", ["hyperfed.hypernet"]),

@@ -584,7 +584,7 @@ def _dm_of_inputs(s: Tensor, *, xr: Tensor, yr: Tensor, ys: Tensor) -> Tensor:
 
 
 def test_dp_adds_gaussian_noise_of_std_sigma_clip_to_class_sums():
-    """Table 6 (DP, Gaussian mechanism as documented in engine/distill.py): each real feature
+    """Table 6 (DP, ``dp_mechanism = "features"``): each real feature
     is clipped to norm C and each per-class sum gets N(0, (sigma C)^2) noise. With f = x
     (W = I), lambda_CC = 0 and one iteration, S1 - S1(noise-free) = 2 beta / ipc * noise / n_c,
     so the recovered noise must have std sigma * C (here 2 * 0.5 = 1)."""
@@ -604,6 +604,7 @@ def test_dp_adds_gaussian_noise_of_std_sigma_clip_to_class_sums():
         distill_batch_real=8,
         lambda_cc=0.0,
         dp_noise=sigma,
+        dp_mechanism="features",
         dp_clip=clip,
         distill_init="noise",
         distill_model="mlp",

@@ -54,7 +54,8 @@ def test_registry_names() -> None:
     expected = {
         "lenet", "mlp", "vgg8", "resnet10", "resnet12", "resnet18", "convnet", "resnet9",
         *PFEDES, "kt_cnn_small", "kt_cnn_large", "squeezenet1_0", "squeezenet1_1",
-        "resnet18_cifar", "lenet_wide", "mlp_wide", "vgg8_wide",
+        "resnet18_cifar", "lenet_wide", "mlp_wide", "vgg8_wide", "mlp_lenet_size",
+        "vgg8_lenet_size",
     }  # fmt: skip
     assert set(ALL) == expected == set(MODEL_REGISTRY)
 

@@ -7,7 +7,9 @@
   members of the anchor's class, the anchor's own entry excluded.
 * :func:`universum` -- Mixup negatives ``u_j = lam x_j + (1 - lam) x_k`` (Eq. 8).
 * :func:`distill_synthetic` -- ClientDatasetDistillation of Alg. 1 for a group of clients at
-  once, with optional differential privacy (Table 6).
+  once, with optional differential privacy (Table 6): DP-SGD on the images
+  (:func:`dp_sgd_image_grad`, per-sample clipping with :func:`noisy_clipped_sum`) or noisy
+  clipped per-class feature sums (``dp_mechanism``).
 * :func:`merge_synthetic` -- the server's merge by label (Eq. 7).
 * :func:`synthetic_objective` -- the local loss of Eq. 9 as a ``loss_fn`` for
   :meth:`ClientGroup.train`, with per-step synthetic batches from :func:`draw_batches`.
@@ -265,7 +267,10 @@ class DistillConfig:
     resample: bool = False  # DM: a freshly initialized network each iteration after the first
     dp_noise: float = 0.0  # noise multiplier sigma of the Gaussian mechanism (0: no DP)
     dp_epsilon: float = 0.0  # > 0: per-client sigma chosen to reach this epsilon
-    dp_clip: float = 1.0  # per-sample clipping norm of the real features
+    # "dp_sgd": per-sample clipped image gradients + noise (Abadi et al. 2016); "features":
+    # clipped per-class real feature sums + noise
+    dp_mechanism: str = "dp_sgd"
+    dp_clip: float = 1.0  # per-sample clipping norm (of the gradient, or of the feature)
     dp_delta: float = 1e-5
 
     @property
@@ -330,6 +335,133 @@ def _pick(
     return pools.gather(-1, order.gather(-1, slot)), valid
 
 
+# -- DP-SGD on the synthetic images (Abadi et al. 2016, Alg. 1) -------------------------------
+
+
+def clip_per_sample(grads: Tensor, clip: float) -> Tensor:
+    """Each per-sample gradient ``grads[i]`` scaled to L2 norm at most ``clip``:
+    ``g_i / max(1, ||g_i|| / C)`` (Abadi et al. 2016, Alg. 1, "clip gradient")."""
+    norms = grads.flatten(1).norm(dim=1).clamp(min=1e-30)
+    scale = (clip / norms).clamp(max=1.0)
+    return grads * scale.view(-1, *[1] * (grads.dim() - 1))
+
+
+def noisy_clipped_sum(
+    grads: Tensor, clip: float, sigma: float, generator: torch.Generator | None = None
+) -> Tensor:
+    """``sum_i clip(g_i, C) + N(0, (sigma C)^2 I)`` over the leading (sample) axis: the released
+    quantity of one DP-SGD step (Abadi et al. 2016, Alg. 1, "add noise"); its L2 sensitivity
+    to adding or removing one sample is ``C``."""
+    total = clip_per_sample(grads, clip).sum(0)
+    if sigma > 0:
+        noise = torch.randn(
+            total.shape, generator=generator, device=total.device, dtype=total.dtype
+        )
+        total = total + (sigma * clip) * noise
+    return total
+
+
+def dp_sgd_image_grad(
+    fm: FunctionalModel,
+    theta: Tensor,
+    buffers: Tensor,
+    syn: Tensor,
+    syn_labels: Tensor,
+    real_feats: Tensor,
+    real_valid: Tensor,
+    *,
+    lot: int,
+    clip: float,
+    sigma: float,
+    lambda_cc: float,
+    temperature: float,
+    cc_reduction: str = "mean",
+    generator: torch.Generator | None = None,
+    chunk: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The DP-SGD gradient of one client's synthetic images ``syn [H, ipc, ...]`` (classes
+    ``syn_labels [H]``, all held) from real features ``real_feats [H, k, d]`` (``real_valid
+    [H, k]``: class ``c``'s batch has ``k_c`` samples). Returns (gradient, L_DM, L_CC).
+
+    The objective splits into a part with no real data and one term per real sample:
+    ``L(S) = L_syn(S) + sum_i r_i(S)`` with ``L_DM = sum_c ||mu_r,c - mu_s,c||^2 = sum_c
+    ||mu_s,c||^2 - sum_i 2/k_c f(x_i).mu_s,c + const`` (Eq. 4) and L_CC (Eq. 5) over the
+    anchors ``B_D u S_i`` with the bank ``S_i`` (a real anchor contrasts with the synthetic
+    images only, so that each real sample enters one term). The real part goes through DP-SGD
+    with per-sample loss ``l_i = lot * r_i``: ``grad = grad L_syn + (sum_i clip(grad l_i, C) +
+    N(0, (sigma C)^2 I)) / lot``; with ``sigma = 0`` and a large ``C`` it is ``grad L``.
+    Per-sample gradients: ``torch.func.vmap`` of the VJP through the model at ``syn``."""
+    from torch.func import grad, vjp, vmap
+
+    h, ipc = syn.shape[:2]
+    shape = syn.shape[2:]
+
+    def feats(s: Tensor) -> Tensor:
+        (f, _), _ = fm.forward_train(theta, buffers, s.reshape(-1, *shape), return_features=True)
+        return f.reshape(h, ipc, -1)
+
+    fs, pull = vjp(feats, syn)[:2]
+    fs = fs.detach()
+    k_c = real_valid.sum(-1).to(fs.dtype)  # [H]
+    n_syn_anchors = h * ipc if ipc > 1 else 0  # a synthetic anchor needs another of its class
+    anchors = float(real_valid.sum()) + n_syn_anchors
+    cc_w = lambda_cc / max(anchors, 1.0) if cc_reduction == "mean" else lambda_cc
+    syn_y = syn_labels.unsqueeze(-1).expand(h, ipc).reshape(-1)
+
+    def syn_part(f: Tensor) -> tuple[Tensor, Tensor]:
+        dm = (f.mean(1) ** 2).sum()  # sum_c ||mu_s,c||^2
+        if cc_w == 0 or n_syn_anchors == 0:
+            return dm, dm.new_zeros(())
+        own = torch.arange(h * ipc, device=f.device)
+        flat = f.reshape(h * ipc, -1)
+        cc = contrastive_loss(flat, syn_y, flat, syn_y, temperature=temperature, exclude=own)
+        return dm, cc * n_syn_anchors  # the sum over the synthetic anchors
+
+    def real_part(f: Tensor, fi: Tensor, onehot: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        """r_i: the DM cross term and the CC term of real anchor f_i (class ``onehot``)."""
+        mu = f.mean(1)  # [H, d]
+        dm = -2 * w * (fi * (onehot @ mu)).sum()
+        if cc_w == 0:
+            return dm, dm.new_zeros(())
+        z = F.normalize(fi, dim=-1)
+        bank = F.normalize(f, dim=-1).reshape(h * ipc, -1)
+        logits = bank @ z / temperature
+        log_p = logits - logits.logsumexp(0)
+        pos = onehot.unsqueeze(-1).expand(h, ipc).reshape(-1)
+        return dm, -(log_p * pos).sum() / ipc
+
+    def per_sample_loss(f: Tensor, fi: Tensor, onehot: Tensor, w: Tensor) -> Tensor:
+        dm, cc = real_part(f, fi, onehot, w)
+        return lot * (dm + cc_w * cc)
+
+    sel = real_valid.reshape(-1)
+    fr = real_feats.reshape(h * real_feats.shape[1], -1)[sel]
+    onehot = torch.eye(h, dtype=fs.dtype, device=fs.device)
+    onehot = onehot.unsqueeze(1).expand(h, real_feats.shape[1], h).reshape(-1, h)[sel]
+    w = (1.0 / k_c.clamp(min=1)).unsqueeze(1).expand(h, real_feats.shape[1]).reshape(-1)[sel]
+
+    # the noise-free part: exact gradient of L_syn
+    fs_req = fs.clone().requires_grad_(True)
+    with torch.enable_grad():
+        dm_s, cc_s = syn_part(fs_req)
+        (u_syn,) = torch.autograd.grad(dm_s + cc_w * cc_s, fs_req)
+    (g,) = pull(u_syn)
+    # per-sample cotangents d l_i / d f(S), then per-sample gradients J^T u_i (chunked)
+    u = vmap(grad(per_sample_loss), in_dims=(None, 0, 0, 0))(fs, fr, onehot, w)
+    if chunk is None:
+        chunk = max(1, (1 << 24) // max(1, syn.numel()))
+    per = torch.cat([vmap(pull)(u[i : i + chunk])[0] for i in range(0, u.shape[0], chunk)])
+    g = g + noisy_clipped_sum(per, clip, sigma, generator) / lot
+    with torch.no_grad():
+        parts = vmap(real_part, in_dims=(None, 0, 0, 0))(fs, fr, onehot, w)
+        mu_r = onehot.T @ (fr * w.unsqueeze(-1))  # [H, d] real class means
+        dm = ((mu_r - fs.mean(1)) ** 2).sum()
+        cc = cc_s + parts[1].sum()
+        if cc_reduction == "mean":
+            cc = cc / max(anchors, 1.0)
+    return g, dm, cc
+
+
 def distill_synthetic(
     fm: FunctionalModel,
     theta: Tensor,
@@ -354,16 +486,30 @@ def distill_synthetic(
     seeded by ``net_seed`` and the iteration, so every client of a run sees the same ones).
     ``seeds`` (one per client) drive the client's sampling and noise.
 
-    **Differential privacy** (``dp_noise`` or ``dp_epsilon``, Table 6): the real data enter the
-    synthetic images' gradient only through per-class sums of their features. Each real
-    feature is clipped to norm ``dp_clip`` and the per-class sums get Gaussian noise of std
-    ``sigma * dp_clip`` (one sample changes one class sum by at most ``dp_clip``); L_DM and
-    L_CC (which then contrasts S_i with the noisy real class means) are post-processing of that
-    release. S_i starts from noise. epsilon comes from Opacus' RDP accountant for ``iters``
-    releases at sampling rate ``q = max_c min(1, batch_real / n_c)``; the accountant assumes
-    Poisson sampling, we draw fixed-size batches without replacement (the usual
-    approximation of DP-SGD implementations). Which classes a client holds, and the per-class
-    batch sizes, are treated as public.
+    **Differential privacy** (``dp_noise`` or ``dp_epsilon``, Table 6), two mechanisms; S_i
+    starts from noise under both, and each iteration is one release of the subsampled
+    Gaussian mechanism with L2 sensitivity ``dp_clip`` and noise std ``sigma * dp_clip``:
+
+    * ``dp_mechanism = "dp_sgd"`` (Abadi et al. 2016, which seed 003 §4.6 cites): DP-SGD on
+      the images, :func:`dp_sgd_image_grad` -- each real sample's gradient of its own term of
+      the objective w.r.t. S_i is clipped to norm ``dp_clip``, the clipped gradients are summed
+      with ``N(0, (sigma C)^2 I)`` noise over the whole of S_i, and divided by the lot size
+      ``batch_real``. L_CC's real anchors contrast with S_i only (each real sample must enter
+      one term for per-sample clipping); the noise has the dimension of S_i.
+    * ``dp_mechanism = "features"``: the real data enter the gradient only through per-class
+      sums of their features. Each real feature is clipped to norm ``dp_clip`` and the
+      per-class sums get Gaussian noise of std ``sigma * dp_clip`` (one sample changes one class
+      sum by at most ``dp_clip``); L_DM and L_CC (which then contrasts S_i with the noisy real
+      class means) are post-processing of that release. The noise has the dimension of the
+      features (``d`` per class), far below that of S_i.
+
+    Same sensitivity, sampling rate and steps: the same epsilon for the same sigma under both.
+    epsilon comes from Opacus' RDP accountant for the iterations taken (``dp_steps``; one
+    distillation per client, Alg. 1) at sampling rate ``q = max_c min(1, batch_real / n_c)``;
+    the accountant assumes Poisson sampling, we draw fixed-size batches without replacement
+    (the usual approximation of DP-SGD implementations). Which classes a client holds, and the
+    per-class batch sizes, are treated as public. Only S_i is covered: the training-phase
+    uploads (model updates) are not privatized, here or in the paper.
 
     Returns per client the synthetic images ``[H_i * ipc, ...]`` (normalized input space) and
     labels, and per-client statistics ``[C]`` of the last iteration.
@@ -401,6 +547,7 @@ def distill_synthetic(
     syn_mask = held.unsqueeze(-1).expand(nc, h, cfg.ipc)
     real_labels = labels.unsqueeze(-1).expand(nc, h, k)
     dm = cc = torch.zeros(nc, device=device)
+    steps = 0  # DP releases made (one per iteration): what the accountant composes
     for t in range(cfg.iters):
         th = theta
         if cfg.resample and t > 0:
@@ -413,6 +560,36 @@ def distill_synthetic(
             )
             fr = f.new_zeros(nc, h, k, f.shape[-1])
             fr[valid] = f
+        if cfg.private and cfg.dp_mechanism == "dp_sgd":
+            grad = torch.zeros_like(syn)
+            dms, ccs = [], []
+            for c in range(nc):  # per client: its own per-sample gradients, clipping and noise
+                hc = held[c]
+                g_c, dm_c, cc_c = dp_sgd_image_grad(
+                    fm,
+                    th,
+                    buffers,
+                    syn.detach()[c][hc],
+                    labels[c][hc],
+                    fr[c][hc],
+                    valid[c][hc],
+                    lot=k,
+                    clip=cfg.dp_clip,
+                    sigma=float(sigma[c]),
+                    lambda_cc=cfg.lambda_cc,
+                    temperature=cfg.temperature,
+                    cc_reduction=cfg.cc_reduction,
+                    generator=gens[c],
+                )
+                grad[c][hc] = g_c
+                dms.append(dm_c)
+                ccs.append(cc_c)
+            dm, cc = torch.stack(dms).detach(), torch.stack(ccs).detach()
+            with torch.no_grad():
+                momentum.mul_(cfg.momentum).add_(grad)
+                syn.sub_(cfg.lr * momentum)
+            steps += 1
+            continue
         (f, _), _ = fm.forward_train(
             th, buffers, syn[held].reshape(-1, *shape), return_features=True
         )
@@ -447,6 +624,7 @@ def distill_synthetic(
         with torch.no_grad():
             momentum.mul_(cfg.momentum).add_(grad)
             syn.sub_(cfg.lr * momentum)
+        steps += 1
 
     out_x, out_y = [], []
     syn = syn.detach()
@@ -461,11 +639,12 @@ def distill_synthetic(
     }
     if cfg.private:
         eps = [
-            gaussian_epsilon(float(sigma[c]), float(q[c]), cfg.iters, cfg.dp_delta)
-            for c in range(nc)
+            gaussian_epsilon(float(sigma[c]), float(q[c]), steps, cfg.dp_delta) for c in range(nc)
         ]
         stats["dp_epsilon"] = torch.tensor(eps)
         stats["dp_noise"] = sigma.detach().cpu()
+        stats["dp_sample_rate"] = q.detach().cpu()
+        stats["dp_steps"] = torch.full((nc,), float(steps))
     return out_x, out_y, stats
 
 

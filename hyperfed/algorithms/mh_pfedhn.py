@@ -8,10 +8,14 @@ theta_i with -Delta theta_i as the output gradient and steps phi and v_i with Ad
 generated theta_i moves *toward* theta~_i (the sign pFedHN's reference code uses; Alg. 1
 prints the opposite). ``hn_update="mean"`` (default) takes one Adam step per round on the
 mean of the clients' update gradients; ``"sequential"`` steps once per client, as Alg. 1 is
-printed. Measured on Fashion-MNIST, 50 LeNet clients, 2 classes each, local lr 0.01, seed 0:
-sequential fell from 0.27 to 0.15 mean accuracy in two rounds (50 Adam steps of the shared
-head per round follow 50 noisy client signals), mean rose 0.22 -> 0.54 in four; with 10
-clients both learn.
+printed. Every README table ran ``"mean"``, chosen on the validation split (issue 20):
+``hyperfed run --config configs/seed000/fmnist_homo.toml --set algorithm.name=mh_pfedhn
+--set dataset.subsample=3000 --set rounds=8 --set eval_every=2 --set
+partition.val_fraction=0.15 --set algorithm.hn_update=mean|sequential --set seed=S`` (50
+LeNet clients, 2 classes each): "mean", seed 0, val_mean_acc 0.36 / 0.60 / 0.69 / 0.78 at
+rounds 2 / 4 / 6 / 8; "sequential", seed 1, 0.094 / 0.100 / 0.103 at rounds 2 / 4 / 6 --
+chance level: 50 Adam steps of the shared head per round, each following one client's
+two-class signal, undo each other.
 
 **MH-pFedHNG.** A lightweight global model (``global_model``, LeNet-style by default; K_g
 its parameter count, a head of tau_g = ceil(K_g/N) channels -- the smallest client's head
@@ -39,13 +43,38 @@ of training; in the final ``adapt_rounds`` rounds only they take part, the hyper
 frozen and only their embeddings are learned -- plus any head that only new clients use
 (a new architecture: new head, frozen extractor). Metrics add ``mean_acc_old``/``_new``.
 
-**Extreme personalization (Table 13) and resource constraints (Tables 14-15).**
+**Heads shared among equal-size models (Table 10, App. C.5).** ``heads="per_size"`` (the
+default, Table 10's green rows) keys a head by tau_i alone, so LeNet-style, VGG8 and MLP
+resized to the LeNet-style count (zoo: ``vgg8_lenet_size``, ``mlp_lenet_size``) share one
+head. ``heads="per_architecture"`` (red rows) gives each architecture its own head: the
+client then reports an opaque architecture id at join (a hash of its parameter names and
+shapes, :func:`architecture_tag`; never the name), and the global model goes to the head of
+the clients with its architecture (its own head if none). ``configs/seed000/table10_*``.
+
+**Extreme personalization (Table 13) and resource constraints (Table 14).**
 ``personal_layers`` and ``frozen_layers`` are lists of modes, client i taking mode
 i mod len; a mode is a comma-separated list of parameter-name prefixes (e.g.
-``"classifier"``, ``"fc,classifier"``, ``"features.0"``; ``""`` = none). Personal entries
-stay on the client: it trains its own values there and sends a zero update for them (the
-server still generates all K_i entries, unused for those layers). Frozen entries are
-generated but not trained (their update is zero).
+``"classifier"``, ``"fc,classifier"``, ``"features.0"``; ``""`` = none) or globs
+(``"*.bn*"``: a ResNet's BatchNorm layers); an entry that names no parameter of the
+client's model is a ConfigError. Personal entries stay on the client: it trains its own
+values there and sends a zero update for them (the server still generates all K_i
+entries, unused for those layers). Frozen entries are generated but not trained (their
+update is zero). The heterogeneous modes (one mode per (architecture, mode) pair, 14 in
+Table 13, 12 in Table 14) pair ``clients.models`` and the mode list entry by entry (both
+taken i mod len): ``configs/seed000/table1[34]_*_hetero*.toml``. Table 14's "last 20% of
+the layers" of a ResNet is read as its last round(0.2 N) residual blocks (of N) and the
+classifier (chosen; the paper does not say how layers are counted).
+
+**Resource-constrained global model (Table 15).** ``global_model_fraction = C``: only
+round(C n) clients deploy the global model -- a uniform draw seeded by the run's seed,
+fixed for the whole run (:func:`deploying_clients`; the paper does not say which clients).
+They run Alg. 2's client (train w_g, upload Delta w_g, distil under GD); the others run
+Alg. 1's (plain CE on theta_i); the server's Eq. 6-7 step averages the deploying clients'
+Delta w_g only (m_i / M over them; no step in a round without one), and every client is
+evaluated on its own theta_i. C = 0 is MH-pFedHN (Table 15's C = 0% row equals its MH-pFedHN
+numbers), C = 1 (default) MH-pFedHNG(D). Simulation detail: clients of one architecture
+train as one batch of equal payloads, so a non-deploying client is sent zeros in w_g's place
+(with ``use_global = 0``) and replies a zero ``global_delta``; the byte counts include them.
 
 **Pruning (Table 12).** ``upload_fraction=0.3`` uploads only the 30% largest-magnitude
 entries of each update (indices + values).
@@ -53,10 +82,14 @@ entries of each update (indices + values).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from functools import partial
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -76,11 +109,13 @@ from hyperfed.algorithms.local_settings import SEED000
 from hyperfed.engine.local import LossFn, cross_entropy_loss
 from hyperfed.engine.losses import kd_loss
 from hyperfed.engine.optim import adam
-from hyperfed.hypernet.multihead import MultiHeadHypernet
+from hyperfed.errors import ConfigError
+from hyperfed.hypernet.multihead import HEAD_MODES, MultiHeadHypernet
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
 
 GLOBAL = -1  # the global model's slot in the hypernetwork
+_DEPLOY_SALT = 7919  # seeds the draw of the clients that deploy the global model (Table 15)
 
 
 @dataclass
@@ -95,14 +130,16 @@ class MHPFedHNParams:
     n_layers: int = paper(3, "seed 000 App. D.3")
     # N; None = one chunk per client (pFedHN)
     out_dim: int | None = paper(3072, "seed 000 §4.1, App. D.4")
-    # "none" / "per_client": Table 3's head ablations
+    # "none" / "per_client": Table 3's head ablations; "per_architecture": Table 10 (red)
     heads: str = paper("per_size", "seed 000 §3.2 (a head per tau_i)")
     # one Adam step per round; "sequential": one per client (Alg. 1)
-    hn_update: str = chosen("mean", "Alg. 1's per-client steps lost accuracy, 50 FMNIST clients")
+    hn_update: str = chosen("mean", "per-client steps stayed at chance on val, 50 FMNIST clients")
     # G / GD: the lightweight global model's architecture
     global_model: str | None = paper(None, "seed 000 §3.2 (MH-pFedHN has none)")
     # GD: distil the global model into the personalized model
     distill: bool = paper(False, "seed 000 §3.2 (no distillation)")
+    # Table 15: the share C of clients that deploy the global model (the others: MH-pFedHN)
+    global_model_fraction: float = paper(1.0, "seed 000 §3.3 (every client; Table 15: 0-1)")
     # Eq. 8's lambda: kd_lambda * CE + (1 - kd_lambda) * KL (§4.1: EMNIST 0.1; CIFAR-100
     # 0.01, Tiny-ImageNet 0.2, set in configs/seed000).
     kd_lambda: float = paper(0.1, "seed 000 §4.1 (EMNIST)")
@@ -121,8 +158,8 @@ class MHPFedHNParams:
     adapt_rounds: int = chosen(0, "off with new_clients = 0; §4.4 gives no count")
 
     def __post_init__(self) -> None:
-        if self.heads not in ("per_size", "none", "per_client"):
-            raise ValueError(f"heads must be per_size, none or per_client (got {self.heads!r})")
+        if self.heads not in HEAD_MODES:
+            raise ValueError(f"heads must be one of {', '.join(HEAD_MODES)} (got {self.heads!r})")
         if self.hn_update not in ("sequential", "mean"):
             raise ValueError(f"hn_update must be sequential or mean (got {self.hn_update!r})")
         if not 0 < self.upload_fraction <= 1:
@@ -137,6 +174,12 @@ class MHPFedHNParams:
             raise ValueError("new_clients and adapt_rounds must be set together")
         if self.distill and not self.global_model:
             raise ValueError("distill needs a global_model (e.g. 'lenet')")
+        if not 0 <= self.global_model_fraction <= 1:
+            raise ValueError(
+                f"global_model_fraction must be in [0, 1] (got {self.global_model_fraction})"
+            )
+        if self.global_model_fraction < 1 and not self.global_model:
+            raise ValueError("global_model_fraction < 1 needs a global_model (mh_pfedhngd)")
 
     def kd_weights(self) -> tuple[float, float]:
         """(weight of CE, weight of KL) in the distillation loss: Eq. 8 as printed,
@@ -188,6 +231,25 @@ def _check_update(payload: Payload, name: str, length: int) -> str | None:
     return None
 
 
+def architecture_tag(fm: FunctionalModel) -> Tensor:
+    """An opaque id of a model's architecture (a hash of its parameter names and shapes):
+    what a client reports under ``heads="per_architecture"`` instead of the architecture."""
+    text = repr([(seg.name, seg.shape) for seg in fm.layout.segments]).encode()
+    digest = hashlib.blake2b(text, digest_size=7).digest()  # < 2^56: fits an int64
+    return torch.tensor(int.from_bytes(digest, "big"), dtype=torch.int64)
+
+
+def deploying_clients(ids: list[int], fraction: float, seed: int) -> list[int]:
+    """Table 15: the round-half-up(C * n) clients that deploy the global model, a uniform draw
+    without replacement seeded by the run's seed, fixed for the whole run (a device's
+    resources do not change between rounds)."""
+    k = int(fraction * len(ids) + 0.5)
+    if k >= len(ids):
+        return sorted(ids)
+    rng = np.random.default_rng([seed, _DEPLOY_SALT])
+    return sorted(int(c) for c in rng.choice(sorted(ids), size=k, replace=False))
+
+
 # -- server -----------------------------------------------------------------------------------
 class MHPFedHNServer(Server):
     def model_updates(self) -> dict[str, str]:
@@ -206,9 +268,14 @@ class MHPFedHNServer(Server):
             n_layers=hp.n_layers,
             out_dim=hp.out_dim,
             heads=hp.heads,
+            arch=self.architecture_tags(clients, sizes) if hp.heads == "per_architecture" else None,
         ).to(ctx.device)
         self.opt = adam(self.hnet.parameters(), hp.hn_lr)
         ids = sorted(clients)
+        # Table 15: clients that deploy the global model (all of them by default)
+        self.global_users = (
+            deploying_clients(ids, hp.global_model_fraction, ctx.seed) if hp.global_model else []
+        )
         n_new = round(hp.new_clients * len(ids))
         self.new_ids, self.old_ids = ids[len(ids) - n_new :], ids[: len(ids) - n_new]
         self.adapt_from = ctx.rounds - hp.adapt_rounds + 1 if n_new else None
@@ -216,6 +283,23 @@ class MHPFedHNServer(Server):
             raise ValueError(
                 f"new_clients/adapt_rounds leave no training phase (rounds={ctx.rounds})"
             )
+
+    @staticmethod
+    def architecture_tags(clients: dict[int, Payload], sizes: dict[int, int]) -> dict[int, int]:
+        """Table 10 (red): the opaque architecture tag of every slot -- each client's, the
+        global model's (reported by the clients); any other extra slot gets a tag of its own."""
+        missing = [c for c, p in clients.items() if "arch_id" not in p]
+        if missing:
+            raise ConfigError(
+                f"heads = 'per_architecture': clients {missing[:5]} reported no arch_id; "
+                "use an MH-pFedHN client or another heads mode"
+            )
+        tags = {c: int(p["arch_id"]) for c, p in clients.items()}
+        first = next(iter(clients.values()))
+        for slot in sizes:
+            if slot < 0:  # the global model's tag, or a slot id no architecture can hash to
+                tags[slot] = int(first["global_arch_id"]) if slot == GLOBAL else slot
+        return tags
 
     def eligible_clients(self, rnd: int) -> list[int] | None:
         if self.adapt_from is None:
@@ -246,8 +330,17 @@ class MHPFedHNServer(Server):
         thetas = self.hnet.generate(wanted)
         msgs = {c: {"theta": thetas[c]} for c in client_ids}
         if self.hp.global_model:
-            for m in msgs.values():
-                m["global"] = thetas[GLOBAL]
+            partial_use = self.hp.global_model_fraction < 1
+            users = set(self.global_users)
+            for c, m in msgs.items():
+                if not partial_use:
+                    m["global"] = thetas[GLOBAL]
+                    continue
+                # Table 15: w_g to the deploying clients only; the others get zeros in its
+                # place (clients of one architecture train as one batch of equal payloads)
+                on = c in users
+                m["global"] = thetas[GLOBAL] if on else torch.zeros_like(thetas[GLOBAL])
+                m["use_global"] = torch.tensor(float(on), device=thetas[GLOBAL].device)
         return msgs
 
     def configure_eval(self, client_ids: list[int]) -> dict[int, Payload]:
@@ -287,14 +380,16 @@ class MHPFedHNServer(Server):
         sizes = self.hnet.sizes
         adapting = self.adapt_from is not None and rnd >= self.adapt_from
         only = self.adaptable_parameters() if adapting else None
-        if (
-            self.hp.global_model and not adapting
-        ):  # Alg. 2: phi and v_g from sum_i m_i/M Delta w_g,i
-            m = {c: float(self.clients[c]["num_samples"]) for c in replies}
+        # Alg. 2: phi and v_g from sum_i m_i/M Delta w_g,i, over the clients that deploy the
+        # global model (Table 15; all of them by default): the others' global_delta is ignored
+        users = set(self.global_users)
+        holders = [c for c in replies if c in users]
+        if self.hp.global_model and not adapting and holders:
+            m = {c: float(self.clients[c]["num_samples"]) for c in holders}
             total = sum(m.values())
             dw = sum(
-                m[c] / total * decode_update(r, "global_delta", sizes[GLOBAL])
-                for c, r in replies.items()
+                m[c] / total * decode_update(replies[c], "global_delta", sizes[GLOBAL])
+                for c in holders
             )
             assert isinstance(dw, Tensor)
             self._step({GLOBAL: -dw})
@@ -345,6 +440,10 @@ class MHPFedHNClient(Client):
         info = super().join(fm, num_samples)
         if self.global_fm is not None:
             info["num_global_params"] = torch.tensor(self.global_fm.num_params)
+        if self.hp.heads == "per_architecture":  # Table 10 (red): an opaque architecture id
+            info["arch_id"] = architecture_tag(fm)
+            if self.global_fm is not None:
+                info["global_arch_id"] = architecture_tag(self.global_fm)
         return info
 
     def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
@@ -367,7 +466,7 @@ class MHPFedHNClient(Client):
         if not modes:
             return None
         rows = [
-            group.fm.layout.mask(p for p in modes[c % len(modes)].split(",") if p.strip())
+            group.fm.layout.mask(mode_parameters(group.fm, modes[c % len(modes)], c))
             for c in group.client_ids
         ]
         return torch.stack(rows).to(group.data.x.device)
@@ -379,12 +478,44 @@ class MHPFedHNClient(Client):
     def fit(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[Payload, dict[str, Tensor], Tensor]:
+        if self.global_fm is None or "use_global" not in msg:
+            return self._fit(group, msg, state, use_global=self.global_fm is not None)
+        # Table 15: the clients that deploy the global model run Alg. 2's client, the others
+        # Alg. 1's (plain CE, a zero global_delta the server ignores); one batch each
+        on = msg["use_global"] > 0.5
+        reply: Payload = {}
+        new_state = {k: v.clone() for k, v in state.items()}
+        loss = torch.zeros(group.size, device=on.device)
+        for rows, use in ((on.nonzero().flatten(), True), ((~on).nonzero().flatten(), False)):
+            if not len(rows):
+                continue
+            sub = dataclasses.replace(group, client_ids=[group.client_ids[i] for i in rows])
+            part_msg = {k: v[rows] for k, v in msg.items()}
+            r, st, lo = self._fit(sub, part_msg, {k: v[rows] for k, v in state.items()}, use)
+            if not use:
+                zeros = torch.zeros_like(part_msg["global"])
+                r.update(encode_update(zeros, self.hp.upload_fraction, "global_delta"))
+            for k, v in r.items():
+                if k not in reply:
+                    reply[k] = v.new_zeros((group.size, *v.shape[1:]))
+                reply[k][rows] = v
+            for k, v in st.items():
+                new_state[k][rows] = v
+            loss = loss.to(lo.dtype)
+            loss[rows] = lo
+        return reply, new_state, loss
+
+    def _fit(
+        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor], use_global: bool
+    ) -> tuple[Payload, dict[str, Tensor], Tensor]:
+        """Alg. 2's client update (``use_global``) or Alg. 1's, for a group of clients."""
         hp: MHPFedHNParams = self.hp
         reply: Payload = {}
         new_state = dict(state)
         loss_fn: LossFn = cross_entropy_loss
         ctx = None
-        if self.global_fm is not None:  # ClientUpdate1: train the received global model
+        if use_global:  # ClientUpdate1: train the received global model
+            assert self.global_fm is not None
             w, gbuf, _ = group.train(
                 msg["global"], state["global_buffers"], fm=self.global_fm, salt=1
             )
@@ -425,6 +556,29 @@ class MHPFedHNClient(Client):
         """The generated theta_i, as pFedHN evaluates (no local fine-tuning), with the
         client's own values in its personal layers."""
         return self._personalize(group, msg["theta"], state), state["buffers"]
+
+
+def mode_parameters(fm: FunctionalModel, mode: str, client: int) -> list[str]:
+    """The parameter names a personal/frozen ``mode`` names: comma-separated entries, each a
+    name prefix (``"fc.2"``) or, with ``*``/``?``/``[``, a glob over names (``"*.bn*"``: every
+    BatchNorm of a ResNet). An entry that names nothing in the client's model is an error."""
+    names = fm.layout.names
+    chosen_names: list[str] = []
+    for entry in (e.strip() for e in mode.split(",")):
+        if not entry:
+            continue
+        if any(ch in entry for ch in "*?["):
+            hit = [n for n in names if fnmatchcase(n, entry) or fnmatchcase(n, entry + ".*")]
+        else:
+            hit = [n for n in names if n.startswith(entry)]
+        if not hit:
+            tops = sorted({n.rsplit(".", 1)[0] for n in names})
+            raise ConfigError(
+                f"layer mode {mode!r} of client {client}: {entry!r} names no parameter of its "
+                f"model {fm.name} (layers: {', '.join(tops[:8])}{', ...' if len(tops) > 8 else ''})"
+            )
+        chosen_names += hit
+    return chosen_names
 
 
 def _entry(name: str, summary: str, hparams: type) -> Algorithm:

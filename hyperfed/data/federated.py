@@ -9,12 +9,20 @@ each client holds index tensors into it. A batch for many clients is one gather
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from hyperfed.data.partition import PartitionError, partition_labels, split_clients
+from hyperfed.data.partition import (
+    FLWR_PREFIX,
+    PartitionError,
+    client_label_counts,
+    flwr_partition,
+    partition_labels,
+    split_clients,
+)
 from hyperfed.data.sources import ArrayDataset
 
 
@@ -61,6 +69,15 @@ class FederatedData:
             x = x * self.std.view(shape).to(x) + self.mean.view(shape).to(x)
         return x.clamp(0, 1)
 
+    def label_counts(self) -> np.ndarray:
+        """``[clients, classes]``: how many samples of each class each client holds (its
+        train, val and test splits together), as the partition dealt them."""
+        parts = [
+            torch.cat([t.cpu(), v.cpu(), s.cpu()]).numpy()
+            for t, v, s in zip(self.train_idx, self.val_idx, self.test_idx)
+        ]
+        return client_label_counts(parts, self.y.cpu().numpy(), self.num_classes)
+
     def batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         return self.features(idx), self.y[idx]
 
@@ -88,6 +105,7 @@ def federate(
     *,
     classes_per_client: int = 2,
     alpha: float = 0.5,
+    flwr_args: dict[str, Any] | None = None,
     test_fraction: float = 0.25,
     val_fraction: float = 0.0,
     seed: int = 0,
@@ -96,23 +114,40 @@ def federate(
 ) -> FederatedData:
     """Pool train+test, partition among clients, split each client's share (seed 000 §4.1).
 
-    ``subsample`` keeps a uniformly drawn subset of that many pooled samples first (CPU-sized
-    variants of the paper settings)."""
+    ``scheme`` is a :data:`~hyperfed.data.partition.PARTITIONS` name, ``"natural"`` (the
+    dataset's own writers / users: the first ``num_clients`` of them, in id order) or
+    ``"flwr:<Partitioner>"`` with its keyword arguments in ``flwr_args``. ``subsample`` keeps
+    a uniformly drawn subset of that many pooled samples first (CPU-sized variants of the
+    paper settings)."""
     x = np.concatenate([ds.x_train, ds.x_test])
     y = np.concatenate([ds.y_train, ds.y_test]).astype(np.int64)
     natural = getattr(ds, "natural_partition", None)
+    writers: np.ndarray | None = None  # the writer of each pooled sample (-1: none)
+    if natural is not None:
+        writers = np.full(len(y), -1, dtype=np.int64)
+        for w, p in enumerate(natural):
+            writers[np.asarray(p, dtype=np.int64)] = w
     if subsample is not None and subsample < len(y):
         if scheme == "natural":
             raise ValueError("dataset.subsample cannot be combined with the natural partition")
         keep = np.sort(np.random.default_rng([seed, 17]).choice(len(y), subsample, replace=False))
         x, y = x[keep], y[keep]
+        writers = writers[keep] if writers is not None else None
     if scheme == "natural" and natural is None:
         raise PartitionError(
-            f"partition.name = natural: {ds.name} has no per-user split (only synthetic has "
-            "one); choose quantity, dirichlet, pathological or iid"
+            f"partition.name = natural: {ds.name} has no per-writer split (synthetic has one; "
+            "so has an npz file with a client array, or hf_disk with a client column); choose "
+            "quantity, dirichlet, pathological or iid"
         )
     if natural is not None and scheme == "natural":
+        if len(natural) < num_clients:
+            raise PartitionError(
+                f"partition.name = natural: {ds.name} has {len(natural)} writers but "
+                f"clients.count = {num_clients}; set clients.count <= {len(natural)}"
+            )
         parts = [np.asarray(p) for p in natural][:num_clients]
+    elif scheme.startswith(FLWR_PREFIX):
+        parts = flwr_partition(y, num_clients, scheme, flwr_args, seed=seed, groups=writers)
     else:
         parts = partition_labels(
             y, num_clients, scheme, classes_per_client=classes_per_client, alpha=alpha, seed=seed

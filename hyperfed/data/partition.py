@@ -19,6 +19,10 @@ Schemes (:data:`PARTITIONS`):
     are cut into equal shards (sizes within one) among the clients holding it.
 ``iid``
     A uniform random permutation cut into ``num_clients`` pieces whose sizes differ by at most 1.
+``flwr:<Partitioner>`` (:func:`flwr_partition`)
+    Any label-based partitioner of flwr-datasets (``flwr:DirichletPartitioner``,
+    ``flwr:PathologicalPartitioner``, ``flwr:ShardPartitioner``, ...) with its own keyword
+    arguments; the rules below are flwr-datasets' own, not hyperfed's.
 
 Rules shared by all schemes:
 
@@ -48,8 +52,10 @@ Rules shared by all schemes:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +67,7 @@ __all__ = [
     "ClientSplit",
     "PartitionError",
     "client_label_counts",
+    "flwr_partition",
     "partition_labels",
     "split_clients",
 ]
@@ -314,6 +321,104 @@ def partition_labels(
         counts[h, col] = alloc
     _fill_from_holders(counts, held_cols, classes, min_samples, scheme)
     return _materialise(y, counts, classes, rng)
+
+
+FLWR_PREFIX = "flwr:"
+# filled in by hyperfed, never taken from partition.flwr
+_FLWR_OWN = {"num_partitions": "clients.count", "seed": "the run's seed (seed = ...)"}
+
+
+def flwr_partition(
+    labels: np.ndarray,
+    num_clients: int,
+    name: str,
+    args: Mapping[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    groups: np.ndarray | None = None,
+) -> list[np.ndarray]:
+    """Split sample indices with the flwr-datasets partitioner ``flwr:<Name>`` (or ``<Name>``).
+
+    ``args`` are its keyword arguments; ``num_partitions`` is ``num_clients``, ``seed`` is
+    ``seed`` and ``partition_by`` defaults to ``"label"``. The partitioner sees a
+    ``datasets.Dataset`` with a ``label`` column (and a ``client`` column holding ``groups``,
+    a writer id per sample, when given: ``NaturalIdPartitioner(partition_by="client")``);
+    each of its partitions is mapped back to a sorted ``int64`` index array. It must make
+    exactly ``num_clients`` partitions, disjoint (a sample may be in none).
+    """
+    cls_name = name.removeprefix(FLWR_PREFIX)
+    try:
+        import datasets
+        from flwr_datasets import partitioner as flwr_partitioner
+    except ImportError as exc:
+        raise PartitionError(
+            f"partition.name = {name} needs flwr-datasets, which is not installed; "
+            "pip install hyperfed[flwr-datasets]"
+        ) from exc
+    known = sorted(
+        n
+        for n in getattr(flwr_partitioner, "__all__", [])
+        if n != "Partitioner" and not n.startswith("Vertical")  # those split columns, not rows
+    )
+    if cls_name not in known:
+        raise PartitionError(
+            f"unknown flwr-datasets partitioner {cls_name!r}; choose one of "
+            f"{', '.join(FLWR_PREFIX + n for n in known)}"
+        )
+    cls = getattr(flwr_partitioner, cls_name)
+    y = _as_labels(labels)
+    params = inspect.signature(cls).parameters
+    given = dict(args or {})
+    for key, where in _FLWR_OWN.items():
+        if key in given:
+            raise PartitionError(f"partition.flwr.{key}: hyperfed sets it from {where}; drop it")
+    kwargs = dict(given)
+    if "num_partitions" in params:
+        kwargs["num_partitions"] = int(num_clients)
+    if "seed" in params:
+        kwargs["seed"] = int(seed)
+    if "partition_by" in params:
+        kwargs.setdefault("partition_by", "label")
+    columns: dict[str, Any] = {"label": y, "_index": np.arange(y.size, dtype=np.int64)}
+    if groups is not None:
+        columns["client"] = np.asarray(groups).reshape(-1)
+    accepted = [p for p in params if p not in _FLWR_OWN]
+    by = kwargs.get("partition_by")
+    if by is not None and by not in columns:
+        have = "label or client" if groups is not None else "label (this dataset has no writers)"
+        raise PartitionError(f"partition.flwr.partition_by = {by!r}: the columns are {have}")
+    try:
+        part = cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PartitionError(
+            f"{FLWR_PREFIX}{cls_name}: bad partition.flwr {given} ({exc}); accepted: "
+            f"{', '.join(accepted)}"
+        ) from exc
+    part.dataset = datasets.Dataset.from_dict(columns)
+    try:
+        made = int(part.num_partitions)
+        parts = [
+            # numpy format: np.asarray(partition["_index"]) would convert element by element
+            np.sort(np.asarray(part.load_partition(i).with_format("numpy")[:]["_index"])).astype(
+                np.int64
+            )
+            for i in range(min(made, num_clients))
+        ]
+    except (TypeError, ValueError, KeyError, IndexError) as exc:
+        raise PartitionError(f"{FLWR_PREFIX}{cls_name} with {given}: {exc}") from exc
+    if made != num_clients:
+        raise PartitionError(
+            f"{FLWR_PREFIX}{cls_name} made {made} partitions but clients.count = "
+            f"{num_clients}; make them agree"
+        )
+    if parts:
+        used = np.bincount(np.concatenate(parts), minlength=y.size)
+        if used.size and int(used.max()) > 1:
+            raise PartitionError(
+                f"{FLWR_PREFIX}{cls_name} put {int((used > 1).sum())} samples in more than one "
+                "partition; hyperfed needs disjoint clients"
+            )
+    return parts
 
 
 @dataclass

@@ -472,10 +472,8 @@ class Deployment:
         return dict(sorted(joins.items()))
 
     def build_server(self, joins: dict[int, Payload]) -> Server:
-        from hyperfed.data.sources import load_dataset
-
         cfg = self.cfg
-        ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir)  # shape and classes only
+        ds = cfg.dataset.load()  # shape and classes only
         self.models = build_models(cfg, ds.input_shape, ds.num_classes, self.device)
         ctx = ServerContext(
             cfg.seed, self.device, ds.num_classes, ds.input_shape, self.models, cfg.rounds

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ class SGDConfig:
     epochs: int = 2
     batch_size: int = 64
     cuda_graphs: str = "off"  # on / auto (groups <= GRAPH_AUTO_MAX_CLIENTS) / off; GPU only
+    compile: str = "off"  # on / auto (COMPILE_AUTO models, CPU) / off: torch.compile'd step
 
 
 @dataclass
@@ -220,9 +222,13 @@ def train_clients(
     """
     ctx = ctx or {}
     step_ctx = step_ctx or {}
+    run_loss = loss_fn
+    plain = loss_fn is cross_entropy_loss and not ctx and not step_ctx
+    if plain and not vectorize and use_compile(sgd, fm, theta):  # local.compile
+        run_loss = compiled_loss(fm) or loss_fn
 
     def step_loss(th: Tensor, bu: Tensor, x: Tensor, y: Tensor, cx: dict) -> tuple:
-        loss, new_bu = loss_fn(fm, th, bu, x, y, cx)
+        loss, new_bu = run_loss(fm, th, bu, x, y, cx)
         return loss, (loss.detach(), new_bu)
 
     if FlopMeter.active:
@@ -252,6 +258,69 @@ def train_clients(
             )
         )
     return tuple(torch.cat(parts) for parts in zip(*outs))  # type: ignore[return-value]
+
+
+# local.compile = "auto": zoo models whose torch.compile'd step (inductor, CPU) measured
+# faster than the eager client-loop step, with the speed-up measured. None so far: `hyperfed
+# bench --models lenet,mlp --compile --shape 1,28,28 --classes 10 --device cpu` (2-core CPU
+# under load, 1 thread, torch 2.13, batch 64): LeNet 0.38x (compile 23 s), MLP 0.87x (16 s);
+# a separate probe of LeNet's step, 0.54x-0.64x. Add a model here only with a measured gain.
+COMPILE_AUTO: dict[str, float] = {}
+COMPILE_STATS = {"compiled": 0, "failed": 0}  # read by `hyperfed bench`
+_COMPILED: weakref.WeakKeyDictionary[FunctionalModel, Callable | None] = weakref.WeakKeyDictionary()
+
+
+def use_compile(sgd: SGDConfig, fm: FunctionalModel, theta: Tensor) -> bool:
+    """Whether the client loop runs ``fm``'s step compiled (``local.compile``)."""
+    if sgd.compile == "on":
+        return True
+    return sgd.compile == "auto" and theta.device.type == "cpu" and fm.name in COMPILE_AUTO
+
+
+def compiled_loss(fm: FunctionalModel) -> LossFn | None:
+    """:func:`cross_entropy_loss` of ``fm``, compiled once per model object, so across rounds
+    and the clients of one architecture (AOTAutograd compiles the backward with it; the SGD
+    update stays the eager in-place one). ``None`` when torch.compile fails here: the caller
+    then runs the eager step (one debug log line)."""
+    if fm in _COMPILED:
+        return _COMPILED[fm]
+
+    def loss(fm: FunctionalModel, th: Tensor, bu: Tensor, x: Tensor, y: Tensor) -> tuple:
+        return cross_entropy_loss(fm, th, bu, x, y, {})
+
+    # a code object of its own per model: dynamo caches compiled graphs per code object, up
+    # to its recompile limit, and several architectures would otherwise share one
+    loss.__code__ = loss.__code__.replace(co_name=f"hyperfed_step_{len(_COMPILED)}")
+    try:
+        fn = torch.compile(loss, dynamic=False)
+    except Exception as e:  # noqa: BLE001 -- any failure means: run eagerly
+        _compile_failed(fm, e)
+        return None
+    state = {"first": True, "failed": False}
+
+    def run(fm: FunctionalModel, th: Tensor, bu: Tensor, x: Tensor, y: Tensor, cx: dict) -> tuple:
+        if state["failed"]:  # this call's remaining steps; later calls do not come here
+            return cross_entropy_loss(fm, th, bu, x, y, cx)
+        if not state["first"]:
+            return fn(fm, th, bu, x, y)
+        try:  # inductor compiles at the first call
+            out = fn(fm, th, bu, x, y)
+        except Exception as e:  # noqa: BLE001
+            state["failed"] = True
+            _compile_failed(fm, e)
+            return cross_entropy_loss(fm, th, bu, x, y, cx)
+        state["first"] = False
+        COMPILE_STATS["compiled"] += 1
+        return out
+
+    _COMPILED[fm] = run
+    return run
+
+
+def _compile_failed(fm: FunctionalModel, e: Exception) -> None:
+    log.debug("torch.compile of the %s step failed (%s); running it eagerly", fm.name, e)
+    COMPILE_STATS["failed"] += 1
+    _COMPILED[fm] = None
 
 
 def _one_client(step_loss: Callable) -> Callable:
@@ -454,21 +523,110 @@ def evaluate_clients(
     client_ids: list[int],
     split: str = "test",
     chunk: int = 2048,
+    vectorize: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-client (correct, total, loss_sum) of each client's model on its own split."""
+    """Per-client (correct, total, loss_sum) of each client's model on its own split.
+
+    Batched where it pays: clients holding the same model (FedAvg's global model, a
+    cluster's) are evaluated in one forward over their samples together, on every device;
+    distinct models of one architecture in one vmapped forward when ``vectorize`` (default:
+    on a GPU; on a 2-core CPU a vmapped LeNet evaluation took 1.8x the client loop's time).
+    """
     index = {"test": data.test_idx, "val": data.val_idx, "train": data.train_idx}[split]
-    correct, total, loss_sum = [], [], []
-    for c, cid in enumerate(client_ids):
-        idx = index[cid]
-        ok = torch.zeros((), device=theta.device)
-        ls = torch.zeros((), device=theta.device)
+    dev = theta.device
+    n = len(client_ids)
+    correct = torch.zeros(n, device=dev)
+    loss_sum = torch.zeros(n, device=dev, dtype=theta.dtype)  # a float64 model sums in float64
+    total = torch.tensor([float(index[c].numel()) for c in client_ids], device=dev)
+    if vectorize is None:
+        vectorize = theta.is_cuda
+    singles = []
+    for rows in _same_models(theta, buffers):
+        if len(rows) == 1:
+            singles.append(rows[0])
+            continue
+        idx = torch.cat([index[client_ids[r]] for r in rows])
+        owner = torch.cat(
+            [torch.full((index[client_ids[r]].numel(),), r, device=dev) for r in rows]
+        )
         for start in range(0, int(idx.numel()), chunk):
             x, y = data.batch(idx[start : start + chunk])
-            logits = fm.forward(theta[c], buffers[c], x)
+            logits = fm.forward(theta[rows[0]], buffers[rows[0]], x)
             assert isinstance(logits, Tensor)
-            ok = ok + (logits.argmax(1) == y).sum()
-            ls = ls + F.cross_entropy(logits, y, reduction="sum")
-        correct.append(ok)
-        total.append(torch.tensor(float(idx.numel()), device=theta.device))
-        loss_sum.append(ls)
-    return torch.stack(correct), torch.stack(total), torch.stack(loss_sum)
+            who = owner[start : start + chunk]
+            correct.index_add_(0, who, (logits.argmax(1) == y).to(correct.dtype))
+            ls = F.cross_entropy(logits, y, reduction="none").to(loss_sum.dtype)
+            loss_sum.index_add_(0, who, ls)
+    if vectorize and len(singles) > 1 and isinstance(fm, FunctionalModel):
+        mine = [index[client_ids[r]] for r in singles]
+        ok, ls = _evaluate_vmapped(fm, theta, buffers, data, singles, mine, chunk)
+        rows_t = torch.tensor(singles, device=dev)
+        correct[rows_t], loss_sum[rows_t] = ok.to(correct.dtype), ls.to(loss_sum.dtype)
+        singles = []
+    for r in singles:
+        idx = index[client_ids[r]]
+        for start in range(0, int(idx.numel()), chunk):
+            x, y = data.batch(idx[start : start + chunk])
+            logits = fm.forward(theta[r], buffers[r], x)
+            assert isinstance(logits, Tensor)
+            correct[r] += (logits.argmax(1) == y).sum()
+            loss_sum[r] += F.cross_entropy(logits, y, reduction="sum")
+    return correct, total, loss_sum
+
+
+def _same_models(theta: Tensor, buffers: Tensor) -> list[list[int]]:
+    """Rows of ``theta`` (with ``buffers``) grouped by equal values, in first-seen order: a
+    few sampled entries of each row propose the groups, ``torch.equal`` confirms them."""
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, max(1, theta.shape[1]), (32,), generator=g).to(theta.device)
+    keys = [tuple(k) for k in theta[:, pos].tolist()] if theta.shape[1] else [()] * len(theta)
+    groups: dict[tuple, list[list[int]]] = {}
+    order: list[list[int]] = []
+    for r, key in enumerate(keys):
+        for rows in groups.setdefault(key, []):
+            first = rows[0]
+            if torch.equal(theta[first], theta[r]) and torch.equal(buffers[first], buffers[r]):
+                rows.append(r)
+                break
+        else:
+            groups[key].append([r])
+            order.append(groups[key][-1])
+    return order
+
+
+def _evaluate_vmapped(
+    fm: FunctionalModel,
+    theta: Tensor,
+    buffers: Tensor,
+    data: FederatedData,
+    rows: list[int],
+    index: list[Tensor],
+    chunk: int,
+) -> tuple[Tensor, Tensor]:
+    """(correct, loss_sum) of ``theta[rows]`` on their own samples, in vmapped forwards over
+    the clients; shorter sample lists are padded with a valid index and masked."""
+    dev = theta.device
+    sizes = torch.tensor([int(i.numel()) for i in index], device=dev)
+    longest = int(sizes.max()) if index else 0
+    correct = torch.zeros(len(rows), device=dev)
+    loss_sum = torch.zeros(len(rows), device=dev, dtype=theta.dtype)
+    if longest == 0:
+        return correct, loss_sum
+    padded = torch.zeros(len(rows), longest, dtype=torch.long, device=dev)
+    for j, i in enumerate(index):
+        padded[j, : i.numel()] = i
+    rows_t = torch.tensor(rows, device=dev)
+    th, bu = theta[rows_t], buffers[rows_t]
+    fm.module.eval()
+    forward = vmap(lambda t, b, x: fm.forward(t, b, x))
+    step = max(1, chunk // len(rows))
+    for start in range(0, longest, step):
+        x, y = data.batch(padded[:, start : start + step])
+        logits = forward(th, bu, x)
+        pos = torch.arange(start, start + x.shape[1], device=dev)
+        valid = pos[None, :] < sizes[:, None]
+        ok = (logits.argmax(-1) == y) & valid
+        ls = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+        correct += ok.sum(1)
+        loss_sum += (ls * valid).sum(1)
+    return correct, loss_sum

@@ -20,6 +20,17 @@ Graphs (``adjacency(name, n)``, symmetric 0/1 without self-loops):
 * ``regular``     -- a uniformly random k-regular graph (``k`` neighbours each; networkx's
   ``random_regular_graph``), seeded, redrawn until connected. With ``resample = true`` a new
   one every round: seed 004 §5.2's "10 neighbours that change every round" (``k = 10``).
+* ``networkx:<generator>`` -- any graph generator of networkx, e.g.
+  ``networkx:watts_strogatz_graph`` with ``graph_args = {k = 4, p = 0.1}``; its ``n`` (the
+  number of clients) and ``seed`` (the run's) are filled in unless given. Nodes ``0..n-1`` are
+  the clients (other labels: in sorted order). With ``resample = true`` a seeded generator
+  draws a new graph every round.
+* ``edgelist:<path>`` -- a text file of ``u v`` lines (client ids ``0..n-1``; ``#`` starts a
+  comment, further columns are ignored), e.g. exported with ``networkx.write_edgelist(g, path,
+  data=False)``.
+
+Both are undirected and must be connected and cover exactly the run's clients; self-loops are
+ignored (the diagonal of W is set by the weights).
 
 Weights (``mixing_matrix(adj, weights)``), both symmetric and doubly stochastic:
 
@@ -41,8 +52,12 @@ clients.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +67,8 @@ from hyperfed.hparams import chosen, paper
 
 TOPOLOGIES = ("ring", "grid", "exponential", "full", "random", "regular")
 WEIGHTS = ("metropolis", "uniform")
+NETWORKX = "networkx:"  # prefix of a networkx generator's name
+EDGELIST = "edgelist:"  # prefix of an edge-list file's path
 
 
 def grid_shape(n: int) -> tuple[int, int]:
@@ -60,8 +77,36 @@ def grid_shape(n: int) -> tuple[int, int]:
     return rows, n // rows
 
 
-def adjacency(name: str, n: int, *, p: float = 0.5, seed: int = 0, k: int = 10) -> Tensor:
-    """Symmetric ``[n, n]`` bool adjacency (no self-loops) of a named graph."""
+def check_topology(name: str, args: dict[str, Any] | None = None) -> None:
+    """Raise ``ValueError`` (one line) for a topology name that cannot be built."""
+    if name.startswith(NETWORKX):
+        _generator(name.removeprefix(NETWORKX))
+    elif name.startswith(EDGELIST):
+        path = Path(name.removeprefix(EDGELIST)).expanduser()
+        if not path.is_file():
+            raise ValueError(f"topology {name}: no such edge-list file {str(path)!r}")
+    elif name not in TOPOLOGIES:
+        raise ValueError(
+            f"topology must be one of {', '.join(TOPOLOGIES)}, networkx:<generator> or "
+            f"edgelist:<path> (got {name!r})"
+        )
+    if args and not name.startswith(NETWORKX):
+        raise ValueError(f"graph_args is for networkx:<generator> topologies (got {name!r})")
+
+
+def adjacency(
+    name: str,
+    n: int,
+    *,
+    p: float = 0.5,
+    seed: int = 0,
+    k: int = 10,
+    args: dict[str, Any] | None = None,
+) -> Tensor:
+    """Symmetric ``[n, n]`` bool adjacency (no self-loops) of a named graph (``args``: a
+    networkx generator's arguments)."""
+    if name.startswith((NETWORKX, EDGELIST)):
+        return torch.from_numpy(_external(name, n, seed, args or {}))
     if name not in TOPOLOGIES:
         raise ValueError(f"unknown topology {name!r}; allowed: {', '.join(TOPOLOGIES)}")
     if n < 1:
@@ -117,6 +162,108 @@ def _random_regular(n: int, k: int, seed: int) -> np.ndarray:
         if len(components(adj)) == 1:
             return adj
     raise ValueError(f"regular topology: no connected {k}-regular graph on {n} nodes found")
+
+
+def _generator(name: str) -> Any:
+    import networkx as nx
+
+    fn = getattr(nx, name, None)
+    if name.startswith("_") or not callable(fn) or isinstance(fn, type):
+        raise ValueError(
+            f"topology networkx:{name}: networkx has no graph generator {name!r}; e.g. "
+            "networkx:watts_strogatz_graph, networkx:cycle_graph, networkx:barabasi_albert_graph"
+        )
+    return fn
+
+
+def _external(name: str, n: int, seed: int, args: dict[str, Any]) -> np.ndarray:
+    """The adjacency of a networkx generator's graph or of an edge-list file, checked."""
+    if name.startswith(NETWORKX):
+        adj = _networkx_graph(name.removeprefix(NETWORKX), n, seed, args)
+    else:
+        adj = _edgelist_graph(Path(name.removeprefix(EDGELIST)).expanduser(), n)
+    adj = adj | adj.T  # undirected
+    np.fill_diagonal(adj, False)  # self-loops ignored
+    comps = components(adj)
+    if len(comps) > 1:
+        cut = ", ".join(str(c) for c in comps[1][:5]) + (", ..." if len(comps[1]) > 5 else "")
+        raise ValueError(
+            f"topology {name}: the graph is disconnected ({len(comps)} components; clients "
+            f"{cut} cannot reach client 0); gossip needs a connected graph"
+        )
+    return adj
+
+
+def _networkx_graph(gen: str, n: int, seed: int, args: dict[str, Any]) -> np.ndarray:
+    import networkx as nx
+
+    fn = _generator(gen)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a generator without a signature
+        params = {}  # type: ignore[assignment]
+    kwargs = dict(args)
+    if "n" in params:
+        kwargs.setdefault("n", n)
+    if "seed" in params:
+        kwargs.setdefault("seed", seed)
+    shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    try:
+        graph = fn(**kwargs)
+    except Exception as e:  # networkx's own message says which argument is wrong
+        msg = " ".join(str(e).split())
+        raise ValueError(f"topology networkx:{gen}({shown}): {type(e).__name__}: {msg}") from None
+    if not isinstance(graph, nx.Graph):
+        raise ValueError(f"topology networkx:{gen}: returned {type(graph).__name__}, not a graph")
+    if graph.number_of_nodes() != n:
+        raise ValueError(
+            f"topology networkx:{gen}({shown}): the graph has {graph.number_of_nodes()} nodes, "
+            f"the run has {n} clients (clients.count); choose arguments that give {n} nodes"
+        )
+    nodes = list(graph.nodes)
+    if set(nodes) != set(range(n)):
+        with contextlib.suppress(TypeError):  # unorderable labels: networkx's node order
+            nodes = sorted(nodes)
+    else:
+        nodes = list(range(n))
+    return nx.to_numpy_array(graph, nodelist=nodes, dtype=bool, weight=None)
+
+
+def _edgelist_graph(path: Path, n: int) -> np.ndarray:
+    """``u v`` lines (client ids); ``#`` comments and further columns ignored."""
+    where = f"topology edgelist:{path}"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read the file ({e.strerror or e})") from None
+    adj = np.zeros((n, n), dtype=bool)
+    seen: set[int] = set()
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        try:
+            u, v = int(fields[0]), int(fields[1])
+        except (ValueError, IndexError):
+            raise ValueError(
+                f"{where}, line {number}: expected two client ids 'u v', got {line.strip()!r}"
+            ) from None
+        for node in (u, v):
+            if not 0 <= node < n:
+                raise ValueError(
+                    f"{where}, line {number}: node {node} is not a client id 0..{n - 1} "
+                    f"(clients.count = {n})"
+                )
+        adj[u, v] = adj[v, u] = True
+        seen.update((u, v))
+    if len(seen) != n:
+        missing = sorted(set(range(n)) - seen)
+        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(
+            f"{where}: the file's graph has {len(seen)} nodes, the run has {n} clients "
+            f"(clients.count); clients {shown} appear on no line"
+        )
+    return adj
 
 
 def components(adj: np.ndarray | Tensor) -> list[list[int]]:
@@ -185,9 +332,13 @@ class GossipParams:
     """The communication graph of a decentralized method (``[algorithm]`` keys).
 
     Seed 004 §5.1 runs a ``random`` topology (p is not given); Figure 3a compares ``ring``,
-    ``grid``, ``exponential`` and ``full``."""
+    ``grid``, ``exponential`` and ``full``. ``networkx:<generator>`` (with ``graph_args``) and
+    ``edgelist:<path>`` bring any other graph."""
 
+    # or networkx:<generator> / edgelist:<path> (module docstring)
     topology: str = paper("random", "seed 004 §5.1")
+    # networkx:<generator> only: its keyword arguments (n and seed are filled in)
+    graph_args: dict[str, Any] = chosen({}, "none: the generator's own defaults")
     # edge probability of the random graph
     p: float = chosen(0.5, "seed 004 gives no p")
     # or "uniform" (max-degree)
@@ -198,10 +349,7 @@ class GossipParams:
     k: int = paper(10, "seed 004 §5.2 (10 neighbours per round)")
 
     def __post_init__(self) -> None:
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(
-                f"topology must be one of {', '.join(TOPOLOGIES)} (got {self.topology!r})"
-            )
+        check_topology(self.topology, self.graph_args)
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (got {self.weights!r})")
         if not 0 <= self.p <= 1:

@@ -9,17 +9,23 @@ client with the same ``tau`` -- maps channel ``j``'s code to ``N`` parameters:
 A head is one tensor ``W[tau, hidden, N]``, so all clients of a head are generated in one
 contraction ``einsum('ctd,tdn->ctn')``. The same module expresses the ablations of Table 3
 (``heads="none"``: no head, one output layer shared by every channel of every client;
-``heads="per_client"``: every client its own head) and pFedHN (Shamsian et al.: one
-embedding per client and one output layer per model size, i.e. ``tau=1, N=K``).
+``heads="per_client"``: every client its own head), Table 10's red setting
+(``heads="per_architecture"``: clients share a head only if they run the same architecture,
+given as an opaque tag per client; equal-size models of different architectures then get
+separate heads, where ``"per_size"`` -- the green setting -- lets them share one) and pFedHN
+(Shamsian et al.: one embedding per client and one output layer per model size, i.e.
+``tau=1, N=K``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+
+HEAD_MODES = ("per_size", "none", "per_client", "per_architecture")
 
 
 def num_chunks(num_params: int, out_dim: int) -> int:
@@ -67,7 +73,9 @@ class MultiHeadHypernet(nn.Module):
         sizes: parameter count of every client, by client id (``-1`` for the global model).
         out_dim: N, parameters per chunk (3072 in the paper); ``None`` = one chunk of K_i
             per client (pFedHN).
-        heads: ``"per_size"`` (MH-pFedHN), ``"none"`` or ``"per_client"`` (Table 3).
+        heads: ``"per_size"`` (MH-pFedHN), ``"none"`` or ``"per_client"`` (Table 3),
+            ``"per_architecture"`` (Table 10, red: one head per architecture tag and tau).
+        arch: ``"per_architecture"`` only: an opaque architecture tag for every id in ``sizes``.
     """
 
     def __init__(
@@ -79,10 +87,13 @@ class MultiHeadHypernet(nn.Module):
         n_layers: int = 3,
         out_dim: int | None = 3072,
         heads: str = "per_size",
+        arch: Mapping[int, Hashable] | None = None,
     ) -> None:
         super().__init__()
-        if heads not in ("per_size", "none", "per_client"):
-            raise ValueError(f"heads must be per_size, none or per_client (got {heads!r})")
+        if heads not in HEAD_MODES:
+            raise ValueError(f"heads must be one of {', '.join(HEAD_MODES)} (got {heads!r})")
+        if heads == "per_architecture" and (arch is None or not set(sizes) <= set(arch)):
+            raise ValueError("heads='per_architecture' needs an architecture tag for every id")
         self.sizes = dict(sizes)
         layers: list[nn.Module] = [nn.Linear(embed_dim, hidden)]
         for _ in range(n_layers - 1):
@@ -95,6 +106,13 @@ class MultiHeadHypernet(nn.Module):
             self.key = {c: f"{self.tau[c]}x{self.chunk[c]}" for c in self.sizes}
         elif heads == "per_client":
             self.key = {c: f"client{c}" for c in self.sizes}
+        elif heads == "per_architecture":
+            assert arch is not None
+            # tags in order of first appearance; tau in the key too, so that two sizes can
+            # never share a head even if a tag repeats
+            order = dict.fromkeys(arch[c] for c in sorted(self.sizes))
+            tags = {t: i for i, t in enumerate(order)}
+            self.key = {c: f"arch{tags[arch[c]]}_{self.tau[c]}x{self.chunk[c]}" for c in self.sizes}
         else:
             self.key = dict.fromkeys(self.sizes, "shared")
         self.heads = nn.ModuleDict()

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hyperfed import plugins
 from hyperfed.errors import HyperfedError
 
 __all__ = [
@@ -192,6 +193,62 @@ vgg8 = partial(
     kernel=3,
     padding=1,
 )
+
+
+# Paper 000, Appendix C.5 / Table 10: "we adjusted the VGGNet and MLP models to match the number
+# of parameters in the LeNet model", so that all three get the same tau = ceil(K / N) and share
+# one head. The paper does not say what it adjusted; we keep every conv (the architecture stays
+# different) and choose the two hidden widths (h1, h2) of the fully connected part so that the
+# parameter count is the LeNet-style model's *for the same input shape and classes*: exactly
+# where two widths allow it (Fashion-MNIST's MLP), else off by the fewest parameters (1 for
+# both on CIFAR-100 and on Fashion-MNIST's VGG8; tau agrees unless a multiple of N falls in
+# between), ties broken toward the original h2 = 64.
+def _fc_params(flat: int, h1: int, h2: int, classes: int) -> int:
+    """flat -> h1 -> h2 -> classes, Linear layers with bias."""
+    return flat * h1 + h1 + h1 * h2 + h2 + h2 * classes + classes
+
+
+def lenet_size_widths(flat: int, fixed: int, target: int, classes: int) -> tuple[int, int]:
+    """(h1, h2) with ``fixed + _fc_params(flat, h1, h2, classes) == target`` if any such pair
+    exists (h2 closest to 64 among them), else the pair whose count is closest to ``target``."""
+    best: tuple[int, int, int, int] | None = None  # (|miss|, |h2 - 64|, h1, h2)
+    for h2 in range(1, 1025):
+        slope = flat + 1 + h2  # parameters per unit of h1
+        rest = target - fixed - (h2 + h2 * classes + classes)
+        h1 = max(1, round(rest / slope))
+        miss = abs(fixed + _fc_params(flat, h1, h2, classes) - target)
+        cand = (miss, abs(h2 - 64), h1, h2)
+        if best is None or cand < best:
+            best = cand
+    assert best is not None
+    return best[2], best[3]
+
+
+def _lenet_count(in_shape: tuple[int, ...], num_classes: int) -> int:
+    if len(in_shape) == 1:  # vector input (MLP only): no LeNet; match the default MLP
+        return param_count(mlp(in_shape, num_classes))
+    return param_count(lenet(in_shape, num_classes))
+
+
+def mlp_lenet_size(in_shape: tuple[int, ...], num_classes: int) -> ZooNet:
+    """The MLP of Table 17 with FC1 / FC2 widths giving the LeNet-style model's count."""
+    flat = math.prod(in_shape)
+    h1, h2 = lenet_size_widths(flat, 0, _lenet_count(in_shape, num_classes), num_classes)
+    body = nn.Sequential(
+        nn.Flatten(1), nn.Linear(flat, h1), nn.ReLU(), nn.Linear(h1, h2), nn.ReLU()
+    )
+    return ZooNet(body, in_shape, num_classes)
+
+
+def vgg8_lenet_size(in_shape: tuple[int, ...], num_classes: int) -> ZooNet:
+    """The VGG8 of Table 18 (same convs) with Linear1 / Linear2 widths giving the LeNet-style
+    model's count (closest count where the convs alone exceed it, e.g. on 8x8 inputs)."""
+    convs = vgg8(in_shape, num_classes, hidden=())
+    fixed = param_count(convs.features)
+    target = _lenet_count(in_shape, num_classes)
+    h1, h2 = lenet_size_widths(convs.feature_dim, fixed, target, num_classes)
+    return ZooNet(convs.features, in_shape, num_classes, (h1, h2))
+
 
 # Paper 003, Table 10: three padded 3x3 convs of 128 channels, each followed by ReLU and 2x2
 # average pooling, one FC 2048x100 (2048 = 128*4*4 on 32x32). The table lists no normalization
@@ -439,6 +496,12 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
     "vgg8_wide": ModelEntry(
         partial(vgg8, hidden=(180, 2048)), "simplified VGG8, Linear2 180x2048 (003, Table 13)", 8
     ),
+    "mlp_lenet_size": ModelEntry(
+        mlp_lenet_size, "MLP resized to the LeNet-style count (000, Table 10)", 1, True
+    ),
+    "vgg8_lenet_size": ModelEntry(
+        vgg8_lenet_size, "simplified VGG8 resized to the LeNet-style count (000, Table 10)", 8
+    ),
     "resnet10": ModelEntry(resnet10, "ResNet-10, 16/32/64 ch, blocks 3+3+4 (000, Table 19)", 1),
     "resnet12": ModelEntry(resnet12, "ResNet-12, 16/32/64 ch, blocks 1+5+6 (000, Table 19)", 1),
     "resnet18": ModelEntry(resnet18, "ResNet-18, 16/32/64 ch, blocks 6+6+6 (000, Table 19)", 1),
@@ -475,17 +538,36 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
 }
 
 
+def _plugin_model(plugin: plugins.Plugin) -> list[tuple[str, ModelEntry]]:
+    """A ``hyperfed.models`` entry point: a :class:`ModelEntry`, or a builder
+    ``(in_shape, num_classes) -> ZooNet`` (then any input shape is passed to it)."""
+    value = plugin.value
+    if isinstance(value, ModelEntry):
+        return [(plugin.name, value)]
+    if not callable(value):
+        raise TypeError(f"expected a builder (in_shape, num_classes) -> ZooNet; got {value!r}")
+    doc = (getattr(value, "__doc__", None) or "").strip().splitlines()
+    what = doc[0] if doc else plugin.target
+    return [(plugin.name, ModelEntry(value, f"{what} (plugin: {plugin.package})", 1, True))]
+
+
+@plugins.cached
+def _models() -> dict[str, ModelEntry]:
+    """The zoo, then the models of installed plugins (entry point group ``hyperfed.models``)."""
+    return {**MODEL_REGISTRY, **plugins.discover("models", MODEL_REGISTRY, _plugin_model)}
+
+
 def model_names() -> list[str]:
-    """All registered model names, in registry order."""
-    return list(MODEL_REGISTRY)
+    """All registered model names, in registry order (plugins last)."""
+    return list(_models())
 
 
 def _entry(name: str) -> ModelEntry:
     try:
-        return MODEL_REGISTRY[name]
+        return _models()[name]
     except (KeyError, TypeError):
         raise UnknownModelError(
-            f"unknown model {name!r}; valid names: {', '.join(MODEL_REGISTRY)}"
+            f"unknown model {name!r}; valid names: {', '.join(_models())}"
         ) from None
 
 
@@ -525,6 +607,11 @@ def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> ZooNe
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes must be a positive int; got {num_classes!r}")
     shape = tuple(operator.index(d) for d in in_shape)
-    model = MODEL_REGISTRY[name].builder(shape, num_classes)
+    model = _entry(name).builder(shape, num_classes)
+    if not isinstance(model, ZooNet):  # a plugin's builder
+        raise plugins.PluginError(
+            f"model {name!r}: its builder returned {type(model).__name__}, not a "
+            "hyperfed.models.zoo.ZooNet (features, fc, classifier); wrap the network in ZooNet"
+        )
     model.arch = name
     return model

@@ -26,17 +26,30 @@ def require_opacus():  # type: ignore[no-untyped-def]
     return RDPAccountant, get_noise_multiplier
 
 
+def composed_epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
+    """epsilon at ``delta`` of the composition of ``(noise_multiplier, sample_rate, steps)``
+    phases of the subsampled Gaussian mechanism (a client that distills several times lists
+    each phase); inf if any phase has no noise, 0 for no steps at all."""
+    phases = [(float(s), float(min(1.0, q)), int(n)) for s, q, n in history if int(n) > 0]
+    if not phases:
+        return 0.0
+    if any(s <= 0 for s, _, _ in phases):
+        return float("inf")
+    rdp_accountant, _ = require_opacus()
+    acc = rdp_accountant()
+    acc.history = phases
+    return float(acc.get_epsilon(delta=delta))
+
+
 def gaussian_epsilon(
     noise_multiplier: float, sample_rate: float, steps: int, delta: float
 ) -> float:
     """epsilon after ``steps`` releases of the Gaussian mechanism with noise std
-    ``noise_multiplier * clip`` on a Poisson subsample of rate ``sample_rate``."""
-    if noise_multiplier <= 0:
+    ``noise_multiplier * clip`` on a Poisson subsample of rate ``sample_rate``: DP-SGD's
+    accounting (Abadi et al. 2016) with the RDP accountant; ``steps`` = the iterations taken."""
+    if noise_multiplier <= 0 and steps > 0:
         return float("inf")
-    rdp_accountant, _ = require_opacus()
-    acc = rdp_accountant()
-    acc.history = [(float(noise_multiplier), float(min(1.0, sample_rate)), int(steps))]
-    return float(acc.get_epsilon(delta=delta))
+    return composed_epsilon([(noise_multiplier, sample_rate, steps)], delta)
 
 
 def noise_for_epsilon(epsilon: float, sample_rate: float, steps: int, delta: float) -> float:

@@ -29,13 +29,24 @@ class Gossip:
         self.hp = hp
         self.n = num_clients
         self.seed = seed
-        self.adj = adjacency(hp.topology, num_clients, p=hp.p, seed=seed, k=hp.k)
+        self.adj = self._adjacency(seed)
+
+    def _adjacency(self, seed: int) -> Tensor:
+        hp = self.hp
+        try:
+            return adjacency(hp.topology, self.n, p=hp.p, seed=seed, k=hp.k, args=hp.graph_args)
+        except ValueError as e:  # a graph that cannot be built for this many clients
+            msg = str(e)
+            raise ConfigError(f"algorithm.topology: {msg.removeprefix('topology ')}") from None
 
     def graph(self, rnd: int) -> Tensor:
-        """This round's graph: a fresh draw of a random / regular topology when resampling."""
-        if self.hp.resample and self.hp.topology in ("random", "regular"):
-            seed = self.seed * 100_003 + rnd
-            return adjacency(self.hp.topology, self.n, p=self.hp.p, seed=seed, k=self.hp.k)
+        """This round's graph: a fresh draw of a random / regular / networkx topology when
+        resampling."""
+        topology = self.hp.topology
+        if self.hp.resample and (
+            topology in ("random", "regular") or topology.startswith("networkx:")
+        ):
+            return self._adjacency(self.seed * 100_003 + rnd)
         return self.adj
 
     def mixing(self, rnd: int, active: list[int]) -> Tensor:

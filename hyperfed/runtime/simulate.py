@@ -32,12 +32,18 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.config import ConfigError, ExperimentConfig, to_toml
 from hyperfed.data.federated import FederatedData, federate
-from hyperfed.data.sources import load_dataset
 from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.models.zoo import ModelInputError, build_model, check_input
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver, RoundResult
 from hyperfed.runtime.gossip import Gossip
+from hyperfed.runtime.parallel import (
+    ChunkFn,
+    ParallelFit,
+    resolve_workers,
+    run_chunk,
+    stochastic_models,
+)
 from hyperfed.runtime.rundir import RunDir, RunDirError
 
 log = logging.getLogger("hyperfed")
@@ -60,7 +66,12 @@ def resolve_sgd(cfg: ExperimentConfig, algorithm_defaults: dict[str, Any]) -> SG
         v = getattr(cfg.local, key)
         if v is not None:
             values[key] = v
-    return SGDConfig(batch_size=cfg.local.batch_size, cuda_graphs=cfg.local.cuda_graphs, **values)
+    return SGDConfig(
+        batch_size=cfg.local.batch_size,
+        cuda_graphs=cfg.local.cuda_graphs,
+        compile=cfg.local.compile,
+        **values,
+    )
 
 
 def train_flops_per_sample(
@@ -94,7 +105,7 @@ def use_channels_last(cfg: ExperimentConfig, device: torch.device) -> bool:
 def load_federation(cfg: ExperimentConfig, device: torch.device) -> FederatedData:
     """The config's dataset split over ``clients.count`` clients: the same partition on every
     machine for the same config and seed (the simulator and each Flower client call this)."""
-    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir)
+    ds = cfg.dataset.load()
     for name in set(cfg.clients.assignment(cfg.seed)):
         try:
             check_input(name, ds.input_shape)
@@ -107,6 +118,7 @@ def load_federation(cfg: ExperimentConfig, device: torch.device) -> FederatedDat
         p.name,
         classes_per_client=p.classes_per_client,
         alpha=p.alpha,
+        flwr_args=p.flwr,
         test_fraction=p.test_fraction,
         val_fraction=p.val_fraction,
         seed=cfg.seed,
@@ -148,6 +160,7 @@ class InMemoryTransport:
     architecture group at a time (one vmapped step per group, or client after client)."""
 
     name = "simulation"
+    parallel: ParallelFit | None = None  # local.workers > 1: fit in worker processes
 
     def __init__(
         self,
@@ -186,6 +199,8 @@ class InMemoryTransport:
         return [(name, part) for name, part in parts if part]
 
     def fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
+        if self.parallel is not None:
+            return self.parallel.fit(rnd, msgs, self._by_group(msgs), self.states, self._put)
         out = Exchange({})
         with FlopMeter() as meter:
             for name, part in self._by_group(msgs):
@@ -314,6 +329,17 @@ class Simulation:
         )
         self.bytes_join = sum(payload_bytes(p) for p in self.joins.values())
         self.driver.totals["bytes_up"] += self.bytes_join
+        per_round = max(1, round(cfg.participation * cfg.clients.count))
+        workers = resolve_workers(cfg.local.workers, self.device, per_round)
+        if workers > 1 and stochastic_models(self.models, cfg.local.workers):
+            workers = 1
+        if workers > 1:  # runtime/parallel.py; started on the first round
+            self.transport.parallel = ParallelFit(workers, worker_chunks, (cfg,), data)
+
+    def close(self) -> None:
+        """Stop the worker processes (``local.workers``); a later round starts them anew."""
+        if self.transport.parallel is not None:
+            self.transport.parallel.close()
 
     @property
     def store(self) -> dict[int, dict[str, Tensor]]:
@@ -404,20 +430,44 @@ class Simulation:
                 if isinstance(value, int | float) and key != "round":
                     tensorboard.add_scalar(key, value, rnd)
 
-        with channels_last(self.nhwc):
-            records = self.driver.run(
-                cfg.rounds,
-                cfg.eval_every,
-                start_round=start_round,
-                run_dir=run_dir,
-                checkpoint_every=cfg.checkpoint_every,
-                checkpoint=self.state_dict,
-                on_round=on_round,
-                on_record=to_tensorboard if tensorboard is not None else None,
-            )
+        try:
+            with channels_last(self.nhwc):
+                records = self.driver.run(
+                    cfg.rounds,
+                    cfg.eval_every,
+                    start_round=start_round,
+                    run_dir=run_dir,
+                    checkpoint_every=cfg.checkpoint_every,
+                    checkpoint=self.state_dict,
+                    on_round=on_round,
+                    on_record=to_tensorboard if tensorboard is not None else None,
+                )
+        finally:
+            self.close()
         if tensorboard is not None:
             tensorboard.close()
         return records
+
+
+def worker_chunks(cfg: ExperimentConfig, data: FederatedData) -> ChunkFn:
+    """A worker process's side of ``local.workers``: the client role, models and groups built
+    as :class:`Simulation` builds them (on the CPU), running ``Client.fit`` on chunks."""
+    device = torch.device("cpu")
+    algorithm = get_algorithm(cfg.algorithm.name)
+    sgd = resolve_sgd(cfg, algorithm.local_defaults)
+    models = build_models(cfg, data.input_shape, data.num_classes, device)
+    torch.manual_seed(cfg.seed)
+    ctx = ClientContext(cfg.seed, device, data.num_classes, data.input_shape)
+    client = algorithm.client(cfg.hparams(), ctx)
+    arch_of = cfg.clients.assignment(cfg.seed)
+    for cid, a in enumerate(arch_of):  # as the main process does (a role may note what it sees)
+        client.join(models[a], data.train_sizes[cid])
+    vectorize, reference = execution_path(cfg, device)
+
+    def make_group(name: str, cids: list[int], rnd: int) -> ClientGroup:
+        return ClientGroup(models[name], cids, data, rnd, cfg.seed, sgd, vectorize, reference)
+
+    return run_chunk(client.fit, make_group, use_channels_last(cfg, device))
 
 
 def open_tensorboard(path: Path | None = None) -> Any:
