@@ -397,6 +397,29 @@ def test_a_resumed_run_gives_each_node_its_state_of_the_checkpoint_round(tmp_pat
     rt4 = fl._runtime(fresh)
     init = rt4.client.init_state(rt4.fm, 1)
     assert all(torch.equal(rt4.load_state(fresh, checkpoint=0)[k], init[k]) for k in init)
+    folder = rt4.state_dir(fresh)
+    assert folder is not None and sorted(f.name for f in folder.iterdir()) == ["r0.pt"]
+
+
+def test_a_node_mixes_its_relayed_neighbours_as_the_simulator_mixes():
+    """Gossip over Flower: node i gets the payloads with W[i, j] != 0 and that row of W; its
+    mix equals row i of the simulator's ``W @ payloads`` (seed 004, Alg. 1 lines 20-22)."""
+    from hyperfed.engine.topology import active_mixing, adjacency
+    from hyperfed.runtime.gossip import Gossip
+
+    W = active_mixing(adjacency("ring", 5), list(range(5)), "metropolis")
+    g = torch.Generator().manual_seed(0)
+    payloads = {"phi": torch.randn(5, 3, 2, generator=g), "z": torch.randn(5, 4, generator=g)}
+    everyone = Gossip.mix(W, payloads)
+    for i in range(5):
+        near = [j for j in range(5) if W[i, j] != 0]
+        assert len(near) == 3  # two ring neighbours and itself
+        mine = Gossip.mix(W[i, near].reshape(1, -1), {k: v[near] for k, v in payloads.items()})
+        for k, v in payloads.items():
+            assert mine[k].shape == (1, *v.shape[1:])
+            expected = sum(float(W[i, j]) * v[j] for j in near)  # by hand
+            assert torch.allclose(mine[k][0], expected, atol=1e-6)
+            assert torch.allclose(mine[k][0], everyone[k][i], atol=1e-6)
 
 
 # -- Flower's Simulation Engine, resumed deployments, gossip over Flower ------------------------
@@ -431,7 +454,8 @@ def test_flower_simulation_engine_gives_the_simulators_metrics(tmp_path):
     assert [r["round"] for r in sim] == [r["round"] for r in native] == [2, 4]
     for a, b in zip(native, sim):  # every client's accuracy, every evaluation
         assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
-        assert b["bytes_up"] == a["bytes_up"] and b["bytes_down"] == a["bytes_down"]
+        assert b["bytes_up_total"] == a["bytes_up_total"]
+        assert b["bytes_down_total"] == a["bytes_down_total"]
     assert (tmp_path / "sim" / "summary.md").exists()
 
 
@@ -489,10 +513,14 @@ def test_decentralized_dfedavg_over_flower_on_a_ring_equals_the_simulator(tmp_pa
     got = read_metrics(tmp_path / "run")
     for a, b in zip(expected, got, strict=True):
         assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
-        assert b["bytes_up"] == a["bytes_up"]
+        assert b["bytes_up_total"] == a["bytes_up_total"]
     # the server relayed: each node got its two ring neighbours' payloads and its own
     wire = _wire(tmp_path / "run")
-    relayed = [w for w in wire if w["type"] == fl.GOSSIP and w["group"] == "gossip-1"]
+    relayed = [
+        w
+        for w in wire
+        if w["type"] == fl.GOSSIP and w["group"] == "gossip-1" and w["dir"] == "down"
+    ]
     assert sorted(w["client"] for w in relayed) == [0, 1, 2, 3]
     for w in relayed:
         shapes = {k: v["shape"][0] for k, v in w["content"][fl.PAYLOAD].items()}
