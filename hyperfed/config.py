@@ -369,7 +369,11 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> ExperimentConfig:
     raw = read_file(path or DEFAULT_CONFIG)
-    raw = apply_overrides(raw, overrides or [])
+    return config_from_dict(apply_overrides(raw, overrides or []))
+
+
+def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
+    """Validate a nested dict of settings (a parsed config file) into an ExperimentConfig."""
     try:
         cfg = ExperimentConfig.model_validate(raw)
     except ValidationError as e:

@@ -594,3 +594,23 @@ def test_literal_generation_is_eq2_without_a_fixed_offset() -> None:
             assert math.isclose(float(h[0].std()), float(body0.std()), rel_tol=1e-4)
         group = ClientGroup(fm, [0, 1], None, 1, 0, None)  # type: ignore[arg-type]
         assert torch.allclose(client.body(group, state), base + h)
+
+
+def test_each_device_starts_from_its_own_draw_and_the_same_one_everywhere() -> None:
+    """Alg. 1 line 3: every device initializes (phi, z) at random, its own draw; the draw
+    depends on the client id only, so the simulator and a Flower node (a group of one) give
+    client i the same start. ``init = "shared"``: one start for all."""
+    sim = _sim("dfedhp")
+    phi = torch.stack([sim.store[c]["phi"] for c in ALL])
+    z = torch.stack([sim.store[c]["z"] for c in ALL])
+    assert all(not torch.equal(phi[0], phi[c]) for c in (1, 2, 3))
+    assert all(not torch.equal(z[0], z[c]) for c in (1, 2, 3))
+    fm = sim.models["lenet"]
+    for c in ALL:  # alone (a node), or in another order: the same draw for client c
+        alone = sim.client.init_states(fm, [c])
+        assert torch.equal(alone["phi"][0], phi[c]) and torch.equal(alone["z"][0], z[c])
+    shared = _sim("dfedhp", "algorithm.init=shared")
+    assert all(torch.equal(shared.store[0]["phi"], shared.store[c]["phi"]) for c in ALL)
+    assert all(torch.equal(shared.store[0]["z"], shared.store[c]["z"]) for c in ALL)
+    # heads start as the model's initial head in both (the personal part is not drawn)
+    assert torch.equal(sim.store[1]["head"], shared.store[1]["head"])

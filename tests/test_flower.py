@@ -18,13 +18,14 @@ from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict  # noq
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  # noqa: E402
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents  # noqa: E402
 
-from hyperfed.config import ConfigError, load_config, to_toml  # noqa: E402
+from hyperfed.config import ConfigError, load_config  # noqa: E402
 from hyperfed.deploy import flower as fl  # noqa: E402
 from hyperfed.deploy.launch import (  # noqa: E402
     CLIENTAPP,
     SERVERAPP,
     LocalDeployment,
     _group_alive,
+    experiment_run_config,
 )
 from hyperfed.runtime.rundir import read_metrics  # noqa: E402
 from hyperfed.runtime.simulate import Simulation  # noqa: E402
@@ -93,7 +94,7 @@ def _context(cfg, cid: int, run_id: int) -> Context:
         node_id=100 + cid,
         node_config={"partition-id": cid, "num-partitions": cfg.clients.count},
         state=RecordDict(),
-        run_config={fl.RC_CONFIG: to_toml(cfg)},
+        run_config=experiment_run_config(cfg),
     )
 
 
@@ -178,8 +179,8 @@ def test_flower_app_command_writes_an_app_flower_accepts(cfg, tmp_path):
     run_config = config["tool"]["flwr"]["app"]["config"]
     assert fl.config_from_run_config(run_config) == cfg  # the experiment travels with the run
 
-    res = CliRunner().invoke(app, ["flower", "app", "--set", "algorithm.name=dfedavg"])
-    assert res.exit_code == 2 and "decentralized" in res.output
+    res = CliRunner().invoke(app, ["flower", "app", "--set", "algorithm.name=nope"])
+    assert res.exit_code == 2 and "nope" in res.output
 
 
 # -- real loopback deployments ------------------------------------------------------------------
@@ -201,7 +202,7 @@ def deployments():
 
 def _deploy(cfg, tmp_path: Path, started: list[LocalDeployment]) -> LocalDeployment:
     d = LocalDeployment(
-        to_toml(cfg),
+        cfg,
         tmp_path / "flower",
         tmp_path / "run",
         nodes=cfg.clients.count,
@@ -301,3 +302,228 @@ def test_run_completes_when_a_supernode_dies(cfg, tmp_path, deployments):
     up = [w for w in _wire(tmp_path / "run") if w["dir"] == "up" and w["type"] == fl.TRAIN]
     assert {w["client"] for w in up if w["group"] == "1"} == {0, 1, 2}
     assert {w["client"] for w in up if w["group"] == "3"} == {0, 1}
+
+
+# -- run config, data per node, state that survives a restarted server ---------------------------
+
+
+def test_every_setting_is_a_run_config_key_flwr_run_can_override(cfg, tmp_path):
+    from flwr.cli.config_utils import load_and_validate
+    from flwr.common.config import flatten_dict, fuse_dicts, parse_config_args
+
+    from hyperfed.deploy.launch import write_app
+
+    app = write_app(tmp_path / "app", cfg)
+    config, _ = load_and_validate(app / "pyproject.toml")
+    defaults = flatten_dict(config["tool"]["flwr"]["app"]["config"])
+    assert defaults["rounds"] == 3 and defaults["algorithm.name"] == "mh_pfedhn"
+    # what `flwr run APP --run-config "..."` does with the app's keys (Flower's own code)
+    cli = ['rounds=50 local.lr=0.2 clients.models="vgg8" local.momentum=0.5']
+    fused = fuse_dicts(defaults, parse_config_args(cli))
+    got = fl.config_from_run_config(fused)
+    assert (got.rounds, got.local.lr, got.clients.models, got.local.momentum) == (
+        50,
+        0.2,
+        "vgg8",
+        0.5,  # unset (None) in the file, still a key that can be set
+    )
+    assert (
+        got.model_copy(update={"rounds": 3, "local": cfg.local, "clients": cfg.clients}) == cfg
+    )  # nothing else moved
+    assert fl.config_from_run_config(defaults) == cfg  # lists travel too (clients.models)
+    with pytest.raises(ValueError, match="not present"):
+        fuse_dicts(defaults, parse_config_args(["roundz=5"]))  # Flower refuses unknown keys
+
+
+def test_a_node_holds_only_its_own_clients_samples(cfg):
+    from hyperfed.runtime.simulate import load_federation
+
+    full = load_federation(cfg, torch.device("cpu"))
+    for cid in range(cfg.clients.count):
+        mine = load_federation(cfg, torch.device("cpu"), clients=[cid])
+        sizes = [len(t) for t in (full.train_idx[cid], full.val_idx[cid], full.test_idx[cid])]
+        assert mine.x.shape[0] == sum(sizes) < full.x.shape[0]
+        for split in ("train_idx", "val_idx", "test_idx"):
+            a, b = getattr(full, split)[cid], getattr(mine, split)[cid]
+            assert torch.equal(full.x[a], mine.x[b]) and torch.equal(full.y[a], mine.y[b])
+            others = [t for c, t in enumerate(getattr(mine, split)) if c != cid]
+            assert all(t.numel() == 0 for t in others)
+
+
+def _state_context(cfg, cid: int, run_id: int, run_dir: str) -> Context:
+    ctx = _context(cfg, cid, run_id)
+    ctx.run_config[fl.RC_RUN_DIR] = run_dir
+    return ctx
+
+
+def test_a_resumed_run_gives_each_node_its_state_of_the_checkpoint_round(tmp_path, monkeypatch):
+    """fedper keeps the head on the client: after a restart (a new Flower run, an empty
+    context) the node continues from its state as of the server's last checkpoint."""
+    monkeypatch.setenv(fl.STATE_DIR_ENV, str(tmp_path / "state"))
+    sets = [s for s in SETTINGS if not s.startswith(("algorithm.", "clients.models"))]
+    cfg = load_config(
+        None, [*sets, "algorithm.name=fedper", "checkpoint_every=2", "clients.models=lenet"]
+    )
+    fl._RUNTIMES.clear()
+    ctx = _state_context(cfg, 0, run_id=1, run_dir="r")
+    rt = fl._runtime(ctx)
+    msg = Simulation(cfg).server.configure_train(1, [0])[0]  # the server's body
+    states = {}
+    for rnd in (1, 2, 3):  # the server checkpointed round 2, then died in round 3
+        rt.fit(rnd, msg, ctx, checkpoint=2 if rnd == 3 else 0)
+        states[rnd] = rt.load_state(ctx)
+    assert not torch.equal(states[2]["head"], states[3]["head"])
+
+    fl._RUNTIMES.clear()  # the restarted run: a new run id, an empty context
+    again = _state_context(cfg, 0, run_id=2, run_dir="r")
+    rt2 = fl._runtime(again)
+    got = rt2.load_state(again, checkpoint=2)
+    assert set(got) == set(states[2])
+    assert all(torch.equal(got[k], states[2][k]) for k in got)
+    assert not rt2.lost
+
+    # a node whose files are gone starts from its initial state and says so
+    fl._RUNTIMES.clear()
+    import shutil
+
+    shutil.rmtree(tmp_path / "state")
+    lost = _state_context(cfg, 0, run_id=3, run_dir="r")
+    rt3 = fl._runtime(lost)
+    _, metrics = rt3.fit(3, msg, lost, checkpoint=2)
+    assert metrics["state_lost"] == 1.0
+    # a fresh (not resumed) run in the same place never reads an earlier run's files
+    fl._RUNTIMES.clear()
+    fresh = _state_context(cfg, 0, run_id=4, run_dir="r")
+    rt4 = fl._runtime(fresh)
+    init = rt4.client.init_state(rt4.fm, 1)
+    assert all(torch.equal(rt4.load_state(fresh, checkpoint=0)[k], init[k]) for k in init)
+    folder = rt4.state_dir(fresh)
+    assert folder is not None and sorted(f.name for f in folder.iterdir()) == ["r0.pt"]
+
+
+def test_a_node_mixes_its_relayed_neighbours_as_the_simulator_mixes():
+    """Gossip over Flower: node i gets the payloads with W[i, j] != 0 and that row of W; its
+    mix equals row i of the simulator's ``W @ payloads`` (seed 004, Alg. 1 lines 20-22)."""
+    from hyperfed.engine.topology import active_mixing, adjacency
+    from hyperfed.runtime.gossip import Gossip
+
+    W = active_mixing(adjacency("ring", 5), list(range(5)), "metropolis")
+    g = torch.Generator().manual_seed(0)
+    payloads = {"phi": torch.randn(5, 3, 2, generator=g), "z": torch.randn(5, 4, generator=g)}
+    everyone = Gossip.mix(W, payloads)
+    for i in range(5):
+        near = [j for j in range(5) if W[i, j] != 0]
+        assert len(near) == 3  # two ring neighbours and itself
+        mine = Gossip.mix(W[i, near].reshape(1, -1), {k: v[near] for k, v in payloads.items()})
+        for k, v in payloads.items():
+            assert mine[k].shape == (1, *v.shape[1:])
+            expected = sum(float(W[i, j]) * v[j] for j in near)  # by hand
+            assert torch.allclose(mine[k][0], expected, atol=1e-6)
+            assert torch.allclose(mine[k][0], everyone[k][i], atol=1e-6)
+
+
+# -- Flower's Simulation Engine, resumed deployments, gossip over Flower ------------------------
+
+FEDPER = [
+    *[s for s in SETTINGS if not s.startswith(("algorithm.", "clients.models", "rounds"))],
+    "algorithm.name=fedper",
+    "clients.models=lenet",
+    "rounds=4",
+    "eval_every=2",
+]
+
+
+def _client_acc(run: Path) -> list[list[float]]:
+    return [r["client_acc"] for r in read_metrics(run)]
+
+
+@pytest.mark.slow
+def test_flower_simulation_engine_gives_the_simulators_metrics(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'hyperfed[simulation]'")
+    from typer.testing import CliRunner
+
+    from hyperfed.cli import app
+
+    sets = [a for s in FEDPER for a in ("--set", s)]
+    runner = CliRunner()
+    res = runner.invoke(app, ["run", *sets, "--out", str(tmp_path / "native"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["flower", "sim", *sets, "--out", str(tmp_path / "sim"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    native, sim = read_metrics(tmp_path / "native"), read_metrics(tmp_path / "sim")
+    assert [r["round"] for r in sim] == [r["round"] for r in native] == [2, 4]
+    for a, b in zip(native, sim):  # every client's accuracy, every evaluation
+        assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
+        assert b["bytes_up_total"] == a["bytes_up_total"]
+        assert b["bytes_down_total"] == a["bytes_down_total"]
+    assert (tmp_path / "sim" / "summary.md").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_deployment_resumes_and_ends_as_an_uninterrupted_run(tmp_path, deployments):
+    """Server and nodes killed after the checkpoint of round 2, the run restarted with
+    resume: the same metrics as the simulator's uninterrupted run (fedper: each node's head
+    is state that must survive)."""
+    cfg = load_config(None, [*FEDPER, "checkpoint_every=2"])
+    expected = Simulation(cfg).run()
+    d = _deploy(cfg, tmp_path, deployments)
+    run_id = d.submit()
+    run = tmp_path / "run"
+    deadline = time.monotonic() + 600
+    while (
+        not [r for r in read_metrics(run) if r["round"] == 2]
+        or not (run / "checkpoint.pt").exists()
+    ):
+        assert time.monotonic() < deadline, d.logs()
+        assert d.status(run_id) in ("", "pending", "starting", "running"), d.logs()
+        time.sleep(0.5)
+    for proc in d.processes:  # the machines crash: SuperLink and every SuperNode
+        proc.kill()
+    again = LocalDeployment(
+        cfg,
+        tmp_path / "flower",
+        run,
+        nodes=cfg.clients.count,
+        num_partitions=cfg.clients.count,
+        threads=1,
+        join_timeout=120,
+        round_timeout=150,
+        resume=True,
+    )
+    deployments.append(again)
+    again.start()
+    status = again.wait(again.submit(), timeout=900)
+    assert status == "finished:completed", again.logs()
+    got = read_metrics(run)
+    assert [r["round"] for r in got] == [2, 4]
+    for a, b in zip(expected, got):
+        assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
+    assert "resumed from the checkpoint of round 2" in (run / "server.log").read_text()
+
+
+@pytest.mark.slow
+def test_decentralized_dfedavg_over_flower_on_a_ring_equals_the_simulator(tmp_path, deployments):
+    sets = [s for s in FEDPER if not s.startswith(("algorithm.", "clients.count"))]
+    cfg = load_config(
+        None, [*sets, "clients.count=4", "algorithm.name=dfedavg", "algorithm.topology=ring"]
+    )
+    expected = Simulation(cfg).run()
+    d = _deploy(cfg, tmp_path, deployments)
+    status = d.wait(d.submit(), timeout=900)
+    assert status == "finished:completed", d.logs()
+    got = read_metrics(tmp_path / "run")
+    for a, b in zip(expected, got, strict=True):
+        assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
+        assert b["bytes_up_total"] == a["bytes_up_total"]
+    # the server relayed: each node got its two ring neighbours' payloads and its own
+    wire = _wire(tmp_path / "run")
+    relayed = [
+        w
+        for w in wire
+        if w["type"] == fl.GOSSIP and w["group"] == "gossip-1" and w["dir"] == "down"
+    ]
+    assert sorted(w["client"] for w in relayed) == [0, 1, 2, 3]
+    for w in relayed:
+        shapes = {k: v["shape"][0] for k, v in w["content"][fl.PAYLOAD].items()}
+        assert set(shapes.values()) == {3}
+        assert w["content"][fl.WEIGHTS]["w"]["shape"] == [3]

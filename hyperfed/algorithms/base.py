@@ -328,6 +328,12 @@ class Client:
         """Per-client persistent state (stacked). Default: BatchNorm statistics only."""
         return {"buffers": fm.initial_buffers().expand(num_clients, -1).clone()}
 
+    def init_states(self, fm: FunctionalModel, client_ids: list[int]) -> dict[str, Tensor]:
+        """The persistent state of these clients (stacked in this order): what the simulator
+        and a Flower node call. Default: :meth:`init_state`, the same for every client; a
+        method whose clients start differently (DFedHP's per-device start) overrides this."""
+        return self.init_state(fm, len(client_ids))
+
     def fit(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[Payload, dict[str, Tensor], Tensor]:

@@ -81,6 +81,9 @@ class DFedHPParams(GossipParams):
     # split, digits, 6 MLP clients, 10 rounds, seeds 0-2: literal 0.829 / 0.849 / 0.823, residual
     # 0.656 / 0.698 / 0.676 (the README's FMNIST runs used residual, set in their configs)
     generation: str = paper("literal", "seed 004 Eq. 2; chosen over residual on validation")
+    # "per_device": each client draws its own phi^0, z^0 (Alg. 1 line 3, "initialize each device
+    # at random"); "shared": one seeded draw for all (a common start, as DFedAvg's theta^0)
+    init: str = paper("per_device", "seed 004 Alg. 1 line 3")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,6 +93,8 @@ class DFedHPParams(GossipParams):
             raise ValueError("epochs_v, epochs_phi and epochs_z must be >= 0")
         if self.generation not in ("residual", "literal"):
             raise ValueError(f"generation must be residual or literal (got {self.generation!r})")
+        if self.init not in ("per_device", "shared"):
+            raise ValueError(f"init must be per_device or shared (got {self.init!r})")
 
 
 def generated_loss(
@@ -162,20 +167,41 @@ class DFedHPClient(DFedAltClient):
             self._parts[id(fm)] = (split, hnet, base)
         return self._parts[id(fm)]
 
+    def start(self, fm: FunctionalModel, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """(phi^0, z^0) drawn from ``gen`` (and rescaled for the literal Eq. 2)."""
+        split, hnet, _ = self.parts(fm)
+        phi, z = hnet.init(gen)
+        if self.hp.generation == "literal":
+            body0 = split.body(fm.initial_params()).detach().cpu()
+            phi = literal_init(hnet, phi, z, body0, gen)
+        return phi, z
+
     def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
         """Every client starts from the same phi^0, z^0 (seeded) and the model's initial head."""
-        split, hnet, _ = self.parts(fm)
-        gen = torch.Generator().manual_seed(self.ctx.seed + 4004)
-        phi, z = hnet.init(gen)
+        return self.init_states(fm, [-1] * num_clients)
+
+    def init_states(self, fm: FunctionalModel, client_ids: list[int]) -> dict[str, Tensor]:
+        """``init = "shared"``: one (phi^0, z^0) for all; ``"per_device"`` (Alg. 1 line 3):
+        client i draws its own from a generator seeded by (seed, i), so a Flower node and the
+        simulator give client i the same start. Heads: the model's initial head."""
+        split, _, _ = self.parts(fm)
         theta = fm.initial_params()
-        if self.hp.generation == "literal":
-            phi = literal_init(hnet, phi, z, split.body(theta).detach().cpu(), gen)
+        n = len(client_ids)
+        if self.hp.init == "per_device":
+            starts = [
+                self.start(fm, torch.Generator().manual_seed(self.ctx.seed * 100_003 + 4004 + c))
+                for c in client_ids
+            ]
+            phi, z = torch.stack([p for p, _ in starts]), torch.stack([z for _, z in starts])
+        else:
+            one_phi, one_z = self.start(fm, torch.Generator().manual_seed(self.ctx.seed + 4004))
+            phi, z = one_phi.expand(n, -1).clone(), one_z.expand(n, -1).clone()
         device = theta.device
         return {
-            "buffers": fm.initial_buffers().expand(num_clients, -1).clone(),
-            "phi": phi.to(device).expand(num_clients, -1).clone(),
-            "z": z.to(device).expand(num_clients, -1).clone(),
-            "head": split.head(theta).expand(num_clients, -1).clone(),
+            "buffers": fm.initial_buffers().expand(n, -1).clone(),
+            "phi": phi.to(device),
+            "z": z.to(device),
+            "head": split.head(theta).expand(n, -1).clone(),
         }
 
     def body(self, group: ClientGroup, state: dict[str, Tensor]) -> Tensor:

@@ -81,6 +81,34 @@ class FederatedData:
     def batch(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         return self.features(idx), self.y[idx]
 
+    def only(self, clients: list[int]) -> FederatedData:
+        """The same federation holding only ``clients``' samples (a Flower node keeps its own
+        client's data, not the pool): ``x``/``y`` compacted to their train/val/test samples,
+        their indices remapped, every other client's index lists empty."""
+        keep = sorted(set(clients))
+        parts = [t for c in keep for t in (self.train_idx[c], self.val_idx[c], self.test_idx[c])]
+        rows = torch.cat(parts).unique() if parts else torch.zeros(0, dtype=torch.long)
+        remap = torch.full((self.x.shape[0],), -1, dtype=torch.long, device=rows.device)
+        remap[rows] = torch.arange(rows.numel(), device=rows.device)
+        empty = rows.new_zeros(0)
+
+        def mine(idx: list[Tensor]) -> list[Tensor]:
+            return [remap[t] if c in keep else empty for c, t in enumerate(idx)]
+
+        return FederatedData(
+            self.x[rows].clone(),
+            self.y[rows].clone(),
+            mine(self.train_idx),
+            mine(self.val_idx),
+            mine(self.test_idx),
+            self.num_classes,
+            self.input_shape,
+            self.mean,
+            self.std,
+            self.name,
+            self.dtype,
+        )
+
     def to(self, device: torch.device | str) -> FederatedData:
         mv = lambda ts: [t.to(device) for t in ts]  # noqa: E731
         return FederatedData(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -30,6 +31,19 @@ SetOpt = Annotated[
 ]
 
 
+OutOpt = Annotated[
+    Path | None, typer.Option(help="Run directory (default runs/<time>-flower-<algo>).")
+]
+ResumeOpt = Annotated[
+    bool, typer.Option(help="Continue the run directory's last checkpoint (needs --out).")
+]
+TimeoutOpt = Annotated[float, typer.Option(help="Seconds to wait for the whole run.")]
+RoundTimeoutOpt = Annotated[
+    float, typer.Option(help="Seconds the server waits for the replies of one round.")
+]
+QuietOpt = Annotated[bool, typer.Option(help="No tables.")]
+
+
 def _need_flower() -> None:
     from hyperfed.deploy.launch import flwr_available
 
@@ -39,11 +53,11 @@ def _need_flower() -> None:
 
 def _load(config: Path | None, set_: list[str] | None):  # type: ignore[no-untyped-def]
     from hyperfed.config import load_config
-    from hyperfed.deploy.launch import centralized
+    from hyperfed.deploy.launch import flower_algorithm
 
     try:
         cfg = load_config(config, set_ or [])
-        centralized(cfg)
+        flower_algorithm(cfg)
     except HyperfedError as e:
         fail(str(e))
         raise  # unreachable: _fail exits
@@ -61,40 +75,89 @@ def local(
     nodes: Annotated[
         int | None, typer.Option(help="SuperNodes to start (default: clients.count).")
     ] = None,
-    out: Annotated[
-        Path | None, typer.Option(help="Run directory (default runs/<time>-flower-<algo>).")
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the whole run.")] = 3600.0,
-    round_timeout: Annotated[
-        float, typer.Option(help="Seconds the server waits for the replies of one round.")
-    ] = 600.0,
+    out: OutOpt = None,
+    resume: ResumeOpt = False,
+    timeout: TimeoutOpt = 3600.0,
+    round_timeout: RoundTimeoutOpt = 600.0,
     threads: Annotated[
         int | None, typer.Option(help="torch threads per client process (default cores/nodes).")
     ] = None,
-    quiet: Annotated[bool, typer.Option(help="No tables.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Loopback deployment on this machine: one flower-superlink and N flower-supernode
     processes on 127.0.0.1, `flwr run` of the app, then every process is stopped."""
-    from hyperfed.config import to_toml
-    from hyperfed.deploy.launch import DeployError, LocalDeployment
-
     _need_flower()
     cfg = _load(config, set_)
     n = cfg.clients.count if nodes is None else nodes
     if not 1 <= n <= cfg.clients.count:
         fail(f"--nodes {n}: must be between 1 and clients.count={cfg.clients.count}")
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = out or Path("runs") / f"{stamp}-flower-{cfg.algorithm.name}"
-    workdir = Path(run_dir) / "flower"
     per_node = max(1, (os.cpu_count() or 1) // n)
+    _launch(cfg, out, n, threads or per_node, timeout, round_timeout, quiet, resume, None)
+
+
+@flower_cli.command()
+def sim(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    out: OutOpt = None,
+    resume: ResumeOpt = False,
+    cpus: Annotated[int, typer.Option(help="CPUs each simulated client (Ray actor) reserves.")] = 1,
+    gpus: Annotated[
+        float, typer.Option(help="GPUs each simulated client reserves (e.g. 0.25).")
+    ] = 0.0,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Attach to a running Ray cluster (HEAD:6379, or 'auto').")
+    ] = None,
+    threads: Annotated[int, typer.Option(help="torch threads per simulated client.")] = 1,
+    timeout: TimeoutOpt = 3600.0,
+    round_timeout: RoundTimeoutOpt = 600.0,
+    quiet: QuietOpt = False,
+) -> None:
+    """Flower's Simulation Engine (Ray): clients.count simulated SuperNodes run the same
+    ClientApp as a deployment, as Ray actors (on this machine or a Ray cluster); writes the
+    same run directory as `hyperfed run`. Needs: pip install 'hyperfed[simulation]'."""
+    from hyperfed.deploy.launch import Simulated
+
+    _need_flower()
+    cfg = _load(config, set_)
+    if importlib.util.find_spec("ray") is None:
+        fail("Ray is not installed; install it with: pip install 'hyperfed[simulation]'")
+    if cpus < 1 or gpus < 0:
+        fail(f"--cpus {cpus} / --gpus {gpus}: need cpus >= 1 and gpus >= 0")
+    simulated = Simulated(cpus, gpus, ray_address)
+    n = cfg.clients.count
+    _launch(cfg, out, n, threads, timeout, round_timeout, quiet, resume, simulated)
+
+
+def _launch(  # type: ignore[no-untyped-def]
+    cfg,
+    out: Path | None,
+    n: int,
+    threads: int,
+    timeout: float,
+    round_timeout: float,
+    quiet: bool,
+    resume: bool,
+    simulated,
+) -> None:
+    from hyperfed.deploy.launch import DeployError, LocalDeployment
+
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    kind = "flower" if simulated is None else "flower-sim"
+    run_dir = out or Path("runs") / f"{stamp}-{kind}-{cfg.algorithm.name}"
+    if resume and not (Path(run_dir) / "server_checkpoint.pt").exists():
+        fail(f"--resume: {run_dir} holds no server checkpoint; set checkpoint_every and --out")
+    workdir = Path(run_dir) / "flower"
     deployment = LocalDeployment(
-        to_toml(cfg),
+        cfg,
         workdir,
         Path(run_dir),
         nodes=n,
         num_partitions=cfg.clients.count,
-        threads=threads or per_node,
+        threads=threads,
         round_timeout=round_timeout,
+        simulated=simulated,
+        resume=resume,
     )
     t0 = time.perf_counter()
     # SIGTERM stops the SuperLink and SuperNodes as Ctrl-C does (the context manager's exit)
@@ -102,9 +165,10 @@ def local(
     try:
         with deployment:
             if not quiet:
+                how = "SuperNodes" if simulated is None else "simulated SuperNodes (Ray)"
                 console.print(
                     f"[bold]{cfg.algorithm.name}[/] on Flower: SuperLink 127.0.0.1:"
-                    f"{deployment.port}, {n} SuperNodes, {cfg.rounds} rounds; logs in "
+                    f"{deployment.port}, {n} {how}, {cfg.rounds} rounds; logs in "
                     f"{workdir}/logs"
                 )
             run_id = deployment.submit()
@@ -141,13 +205,12 @@ def app_(
 ) -> None:
     """Write the Flower app folder for a real multi-machine deployment and print the
     flower-superlink / flower-supernode / flwr run commands."""
-    from hyperfed.config import to_toml
     from hyperfed.deploy.launch import remote_commands, write_app
 
     cfg = _load(config, set_)
     path = write_app(
         out,
-        to_toml(cfg),
+        cfg,
         run_dir=run_dir,
         min_nodes=min_nodes,
         join_timeout=join_timeout,

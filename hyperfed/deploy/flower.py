@@ -20,18 +20,21 @@ and the same :func:`hyperfed.runtime.simulate.load_federation` the simulator use
 ClientApp process; the client's state (BatchNorm statistics, personal layers, ...) is kept
 in ``context.state`` between rounds.
 
-The run config (``[tool.flwr.app.config]`` of the app, see ``hyperfed.deploy.launch``):
-``hyperfed-config`` (the experiment TOML, as text), ``run-dir``, ``min-nodes``,
-``join-timeout`` and ``round-timeout`` (seconds).
+The run config (``[tool.flwr.app.config]`` of the app, see ``hyperfed.deploy.launch``): every
+experiment setting as its own key (``rounds``, ``algorithm.name``, ``local.lr``, ...; ``flwr
+run APP --run-config "rounds=50"`` overrides one), and ``run-dir``, ``min-nodes``,
+``join-timeout`` / ``round-timeout`` (seconds) and ``resume``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
+import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +54,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.utils import get_flwr_home
 from torch import Tensor
 
 from hyperfed.algorithms import get_algorithm
@@ -65,12 +69,21 @@ from hyperfed.algorithms.base import (
     stack_payloads,
     unstack_payload,
 )
-from hyperfed.config import ConfigError, ExperimentConfig, load_config, to_toml
+from hyperfed.config import ConfigError, ExperimentConfig, config_from_dict, to_toml
 from hyperfed.data.federated import FederatedData
-from hyperfed.deploy.launch import centralized
+from hyperfed.deploy.launch import (
+    RC_JOIN_TIMEOUT,
+    RC_MIN_NODES,
+    RC_RESUME,
+    RC_ROUND_TIMEOUT,
+    RC_RUN_DIR,
+    experiment_from_run_config,
+    flower_algorithm,
+)
 from hyperfed.engine.local import FlopMeter, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver, RoundResult
+from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.rundir import RunDir, atomic_write_bytes
 from hyperfed.runtime.simulate import (
     build_models,
@@ -87,25 +100,20 @@ log = logging.getLogger("hyperfed.flower")
 # message types (ClientApp handlers below)
 JOIN = f"{MessageType.QUERY}.join"
 SETUP = f"{MessageType.QUERY}.setup"
+GOSSIP = f"{MessageType.QUERY}.gossip"  # decentralized: the neighbours' payloads, relayed
 TRAIN = MessageType.TRAIN
 EVALUATE = MessageType.EVALUATE
 
 # record names inside a message's RecordDict
 PAYLOAD = "payload"  # ArrayRecord: the algorithm's payload, nothing else
 DTYPES = "dtypes"  # ConfigRecord: torch dtypes numpy cannot hold (bfloat16, ...)
-CONFIG = "config"  # ConfigRecord: round / stage / client id
+CONFIG = "config"  # ConfigRecord: round / stage / client id / last checkpoint round
+WEIGHTS = "weights"  # ArrayRecord of a gossip message: this node's row of W
 METRICS = "metrics"  # MetricRecord: train loss, evaluation counts
 NODE = "node"  # ConfigRecord in the join reply: the partition id this node serves
 STATE = "hyperfed.state"  # ArrayRecord in context.state: this client's persistent state
 SERVER_STATE = "server_state.pt"  # in the run directory: the server role's final state
-
-# run-config keys
-RC_CONFIG = "hyperfed-config"
-RC_RUN_DIR = "run-dir"
-RC_MIN_NODES = "min-nodes"
-RC_JOIN_TIMEOUT = "join-timeout"
-RC_ROUND_TIMEOUT = "round-timeout"
-
+STATE_DIR_ENV = "HYPERFED_STATE_DIR"  # where nodes keep their client state of resumable runs
 
 # -- payload <-> Flower records -----------------------------------------------------------
 _BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
@@ -154,14 +162,9 @@ def _state_from_record(record: ArrayRecord, device: torch.device) -> dict[str, T
 
 # -- what both sides rebuild from the config ----------------------------------------------
 def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
-    """The experiment config carried in the run config (validated like ``hyperfed run``)."""
-    text = run_config.get(RC_CONFIG)
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigError(f"run config: {RC_CONFIG} (the experiment TOML) is missing")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.toml"
-        path.write_text(text)
-        return load_config(path)
+    """The experiment config carried in the run config, one key per setting (validated like
+    ``hyperfed run``; ``flwr run --run-config "rounds=50"`` overrides one)."""
+    return config_from_dict(experiment_from_run_config(run_config))
 
 
 @dataclass
@@ -174,6 +177,7 @@ class ClientRuntime:
     fm: FunctionalModel
     client: Client
     device: torch.device
+    lost: bool = False  # its saved state was gone when a resumed run needed it
 
     @classmethod
     def build(cls, cfg: ExperimentConfig, cid: int, num_partitions: int) -> ClientRuntime:
@@ -184,9 +188,9 @@ class ClientRuntime:
             )
         if not 0 <= cid < cfg.clients.count:
             raise ConfigError(f"node config partition-id={cid} not in [0, {cfg.clients.count})")
-        alg = centralized(cfg)
+        alg = flower_algorithm(cfg)
         device = resolve_device(cfg.device)
-        data = load_federation(cfg, device)
+        data = load_federation(cfg, device, clients=[cid])  # its own samples only
         arch = cfg.clients.assignment(cfg.seed)[cid]
         # its model, initialized as the simulator initializes it (same seed)
         fm = build_models(cfg, data.input_shape, data.num_classes, device, only=arch)[arch]
@@ -211,37 +215,117 @@ class ClientRuntime:
     def join(self) -> Payload:
         return self.client.join(self.fm, self.data.train_sizes[self.cid])
 
-    def load_state(self, context: Context) -> dict[str, Tensor]:
-        """This client's state from ``context.state`` (initialized on first use), stacked."""
+    # -- persistent state ------------------------------------------------------------------
+    # Within a run the state lives in ``context.state``. A resumable run (checkpoint_every set)
+    # also keeps it on the node's disk, one file per round it changed, so that a restarted
+    # ServerApp (a new Flower run, an empty context) continues from the server's last
+    # checkpoint C: the node loads its newest file of a round <= C. Files are pruned to that
+    # one and the ones after C. A node whose files are gone starts again from its initial
+    # state and says so (``state_lost``; the server logs it).
+    def state_dir(self, context: Context) -> Path | None:
+        if self.cfg.checkpoint_every is None:
+            return None
+        root = os.environ.get(STATE_DIR_ENV) or str(Path(get_flwr_home()) / "hyperfed-state")
+        run = str(context.run_config.get(RC_RUN_DIR, "")) + to_toml(self.cfg)
+        key = hashlib.sha256(run.encode()).hexdigest()[:16]
+        return Path(root) / key / f"client-{self.cid}"
+
+    @staticmethod
+    def _saved(folder: Path) -> dict[int, Path]:
+        return {int(f.stem.removeprefix("r")): f for f in folder.glob("r*.pt")}
+
+    def load_state(self, context: Context, checkpoint: int = 0) -> dict[str, Tensor]:
+        """This client's state, stacked: from ``context.state``; on first use in this run from
+        disk (a resumed run, ``checkpoint`` > 0) or the initial state."""
         if STATE in context.state.array_records:
             one = _state_from_record(context.state.array_records[STATE], self.device)
             return stack_payloads([one])
-        return {k: v.to(self.device) for k, v in self.client.init_state(self.fm, 1).items()}
+        folder = self.state_dir(context)
+        init = {
+            k: v.to(self.device) for k, v in self.client.init_states(self.fm, [self.cid]).items()
+        }
+        if folder is None:
+            return init
+        if checkpoint == 0:  # a fresh start: files of an earlier run here are not ours
+            shutil.rmtree(folder, ignore_errors=True)
+            self.save_state(context, init, 0, 0)
+            return init
+        saved = {}
+        for r, f in self._saved(folder).items():
+            if r <= checkpoint:
+                saved[r] = f
+            else:  # written after the checkpoint by the run that was killed
+                f.unlink(missing_ok=True)
+        if not saved:
+            log.warning(
+                "client %d: no saved state (round <= %d); starting anew", self.cid, checkpoint
+            )
+            self.lost = True
+            self.save_state(context, init, 0, checkpoint)
+            return init
+        one = torch.load(saved[max(saved)], map_location=self.device, weights_only=True)
+        context.state[STATE] = _state_record(one)
+        return stack_payloads([one])
 
-    def save_state(self, context: Context, state: dict[str, Tensor]) -> None:
-        context.state[STATE] = _state_record(unstack_payload(state, 1)[0])
+    def save_state(
+        self, context: Context, state: dict[str, Tensor], rnd: int, checkpoint: int
+    ) -> None:
+        one = unstack_payload(state, 1)[0]
+        context.state[STATE] = _state_record(one)
+        folder = self.state_dir(context)
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"r{rnd}.pt"
+        atomic_write_bytes(path, lambda f: torch.save({k: v.cpu() for k, v in one.items()}, f))
+        saved = self._saved(folder)
+        kept = max(r for r in saved if r <= max(checkpoint, min(saved)))
+        for r, f in saved.items():
+            if r < kept:
+                f.unlink(missing_ok=True)
 
-    def fit(self, rnd: int, msg: Payload, context: Context) -> tuple[Payload, dict[str, float]]:
-        state = self.load_state(context)
+    def fit(
+        self, rnd: int, msg: Payload, context: Context, checkpoint: int = 0
+    ) -> tuple[Payload, dict[str, float]]:
+        state = self.load_state(context, checkpoint)
         # FLOPs measured here, reported to the server (it cannot see them)
         with FlopMeter() as meter, channels_last(use_channels_last(self.cfg, self.device)):
             reply, new_state, loss = self.client.fit(self.group(rnd), stack_payloads([msg]), state)
-        self.save_state(context, new_state)
+        self.save_state(context, new_state, rnd, checkpoint)
         metrics = {"train_loss": float(loss.reshape(-1)[0]), "train_flops": float(meter.total)}
-        return unstack_payload(reply, 1)[0], metrics
+        return unstack_payload(reply, 1)[0], self._lost(metrics)
 
-    def setup(self, stage: int, msg: Payload, context: Context) -> tuple[Payload, dict[str, float]]:
-        state = self.load_state(context)
+    def _lost(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.lost:
+            self.lost = False
+            metrics["state_lost"] = 1.0
+        return metrics
+
+    def mix(
+        self, rnd: int, neighbours: Payload, weights: Tensor, context: Context, checkpoint: int
+    ) -> None:
+        """Decentralized: ``mixed = sum_j W[i, j] payload_j`` over the relayed neighbours'
+        payloads (seed 004, Alg. 1), mixed here on the node, then ``Client.mix``."""
+        state = self.load_state(context, checkpoint)
+        mixed = Gossip.mix(weights.reshape(1, -1), neighbours)
+        self.save_state(context, self.client.mix(self.group(rnd), mixed, state), rnd, checkpoint)
+
+    def setup(
+        self, stage: int, msg: Payload, context: Context, checkpoint: int = 0
+    ) -> tuple[Payload, dict[str, float]]:
+        state = self.load_state(context, checkpoint)
         out, new_state, stats = self.client.setup(
             stage, self.group(0), stack_payloads([msg]), state
         )
-        self.save_state(context, new_state)
+        self.save_state(context, new_state, 0, checkpoint)
         return out[0], {k: float(v.reshape(-1)[0]) for k, v in stats.items()}
 
-    def evaluate(self, msg: Payload, context: Context, split: str = "test") -> dict[str, float]:
+    def evaluate(
+        self, msg: Payload, context: Context, split: str = "test", checkpoint: int = 0
+    ) -> dict[str, float]:
         if split not in ("test", "val"):
             raise ValueError(f"evaluate: unknown split {split!r}")
-        state = self.load_state(context)
+        state = self.load_state(context, checkpoint)
         theta, buffers = self.client.eval_model(self.group(-1), stack_payloads([msg]), state)
         with channels_last(use_channels_last(self.cfg, self.device)):
             net = self.client.eval_network(self.fm)
@@ -289,11 +373,17 @@ def _client_join(msg: Message, context: Context) -> Message:
     return _reply(msg, rt.join(), **{NODE: ConfigRecord({"partition-id": rt.cid})})
 
 
+def _checkpoint(msg: Message) -> int:
+    """The server's last checkpoint round, sent with every message (0: none yet)."""
+    return _int(msg.content.config_records[CONFIG].get("checkpoint", 0))
+
+
 @client_app.query("setup")
 def _client_setup(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
     stage = _int(msg.content.config_records[CONFIG]["stage"])
-    reply, stats = rt.setup(stage, record_to_payload(msg.content, rt.device), context)
+    payload = record_to_payload(msg.content, rt.device)
+    reply, stats = rt.setup(stage, payload, context, _checkpoint(msg))
     return _reply(msg, reply, **{METRICS: MetricRecord(dict(stats))})
 
 
@@ -301,15 +391,27 @@ def _client_setup(msg: Message, context: Context) -> Message:
 def _client_train(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
     rnd = _int(msg.content.config_records[CONFIG]["round"])
-    reply, metrics = rt.fit(rnd, record_to_payload(msg.content, rt.device), context)
+    payload = record_to_payload(msg.content, rt.device)
+    reply, metrics = rt.fit(rnd, payload, context, _checkpoint(msg))
     return _reply(msg, reply, **{METRICS: MetricRecord(dict(metrics))})
+
+
+@client_app.query("gossip")
+def _client_gossip(msg: Message, context: Context) -> Message:
+    rt = _runtime(context)
+    rnd = _int(msg.content.config_records[CONFIG]["round"])
+    weights = torch.from_numpy(msg.content.array_records[WEIGHTS]["w"].numpy().copy())
+    neighbours = record_to_payload(msg.content, rt.device)
+    rt.mix(rnd, neighbours, weights, context, _checkpoint(msg))
+    return _reply(msg, None)
 
 
 @client_app.evaluate()
 def _client_evaluate(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
     split = str(msg.content.config_records[CONFIG].get("split", "test"))
-    metrics = rt.evaluate(record_to_payload(msg.content, rt.device), context, split)
+    payload = record_to_payload(msg.content, rt.device)
+    metrics = rt.evaluate(payload, context, split, _checkpoint(msg))
     return _reply(msg, None, **{METRICS: MetricRecord(dict(metrics))})
 
 
@@ -317,8 +419,9 @@ def _client_evaluate(msg: Message, context: Context) -> Message:
 server_app = ServerApp()
 
 
-def _check_join(payload: Payload) -> str | None:
-    if "num_params" not in payload or payload["num_params"].numel() != 1:
+def _check_join(payload: Payload, server_needs_size: bool = True) -> str | None:
+    """A join payload's problem, if any (a decentralized client tells nothing: ``{}``)."""
+    if server_needs_size and ("num_params" not in payload or payload["num_params"].numel() != 1):
         return "join payload has no num_params"
     for key, value in payload.items():
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
@@ -351,7 +454,9 @@ class Deployment:
     def __init__(self, grid: Grid, run_config: dict[str, Any]) -> None:
         self.grid = grid
         self.cfg = cfg = config_from_run_config(run_config)
-        self.algorithm = centralized(cfg)
+        self.algorithm = flower_algorithm(cfg)
+        self.resume = bool(run_config.get(RC_RESUME, False))
+        self.last_checkpoint = 0  # round of the last checkpoint written (sent to the nodes)
         self.device = resolve_device(cfg.device)
         self.reference = execution_path(cfg, self.device)[1]  # its nodes report no loss
         self.n = cfg.clients.count
@@ -370,14 +475,23 @@ class Deployment:
 
     # -- messaging ------------------------------------------------------------------------
     def exchange(
-        self, kind: str, payloads: dict[int, Payload], config: dict[str, Any], group: str
+        self,
+        kind: str,
+        payloads: dict[int, Payload],
+        config: dict[str, Any],
+        group: str,
+        extra: dict[int, Tensor] | None = None,
     ) -> dict[int, Message]:
         """One message per client (its own payload), replies by client id; errors and
         late replies are logged and dropped (the run carries on with the others)."""
         messages: list[Message] = []
         for cid, payload in payloads.items():
             content = payload_to_record(payload)
-            content[CONFIG] = ConfigRecord({**config, "client-id": cid})
+            content[CONFIG] = ConfigRecord(
+                {**config, "client-id": cid, "checkpoint": self.last_checkpoint}
+            )
+            if extra is not None:  # a gossip message: this node's row of W
+                content[WEIGHTS] = ArrayRecord({"w": Array(extra[cid].numpy())})
             msg = Message(content, self.node_of[cid], kind, group_id=group, ttl=self.round_timeout)
             self.wire("down", kind, group, cid, msg)
             messages.append(msg)
@@ -407,6 +521,14 @@ class Deployment:
                 continue
             self.wire("up", kind, group, cid, reply)
             replies[cid] = reply
+            metrics: dict[str, Any] = dict(reply.content.metric_records.get(METRICS, {}))
+            if metrics.get("state_lost"):
+                log.warning(
+                    "%s %s: client %d had lost its state; it restarted from its initial state",
+                    kind,
+                    group,
+                    cid,
+                )
         missing = sorted(set(payloads) - set(replies))
         if missing:
             log.warning("%s %s: no reply from clients %s", kind, group, missing)
@@ -457,7 +579,7 @@ class Deployment:
                 continue
             cid = _int(reply.content.config_records[NODE]["partition-id"])
             payload = record_to_payload(reply.content, self.device)
-            problem = _check_join(payload)
+            problem = _check_join(payload, self.algorithm.kind == "centralized")
             if cid in self.node_of or not 0 <= cid < self.n:
                 problem = f"partition id {cid} taken or out of range [0, {self.n})"
             if problem:
@@ -509,8 +631,18 @@ class Deployment:
         out.stats = {k: torch.tensor(vs) for k, vs in stats.items()}
         return out
 
-    def mixed(self, rnd: int, payloads: dict[int, Payload]) -> None:
-        raise ConfigError("decentralized algorithms do not run on Flower yet; use hyperfed run")
+    def relay(self, rnd: int, W: Tensor, payloads: dict[int, Payload]) -> None:
+        """Gossip over Flower: node ``i`` gets its neighbours' payloads (``W[i, j] != 0``,
+        itself included) and its row of ``W``, and mixes them itself; the server only
+        relays (it never adds payloads up)."""
+        active = list(payloads)
+        messages: dict[int, Payload] = {}
+        rows: dict[int, Tensor] = {}
+        for i, cid in enumerate(active):
+            near = [j for j in range(len(active)) if W[i, j] != 0]
+            messages[cid] = stack_payloads([payloads[active[j]] for j in near])
+            rows[cid] = W[i, near]
+        self.exchange(GOSSIP, messages, {"round": rnd}, f"gossip-{rnd}", extra=rows)
 
     def evaluate(self, msgs: dict[int, Payload], split: str) -> EvalCounts:
         rnd = self.evaluated = self.evaluated + 1
@@ -526,8 +658,18 @@ class Deployment:
     # -- the run --------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
-        self.run_dir.create(to_toml(cfg))
-        (self.run_dir.path / "wire.jsonl").write_text("")
+        state = None
+        if self.resume:  # verified before anything is built (rundir.py)
+            state = self.run_dir.load_checkpoint()
+            if state is None:
+                raise ConfigError(
+                    f"resume: {self.run_dir.path} has no checkpoint; set checkpoint_every "
+                    "and start the run anew"
+                )
+        else:
+            self.run_dir.create(to_toml(cfg))
+            (self.run_dir.path / "wire.jsonl").write_text("")
+        self.checkpoint_state = state
         handler = logging.FileHandler(self.run_dir.path / "server.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
@@ -541,6 +683,7 @@ class Deployment:
         cfg = self.cfg
         joins = self.join()
         self.server = server = self.build_server(joins)
+        decentralized = self.algorithm.kind == "decentralized"
         driver = RoundDriver(
             server,
             self,
@@ -551,8 +694,19 @@ class Deployment:
             order=[c for members in self.groups.values() for c in members],
             groups=list(self.groups.values()),
             validate=cfg.partition.val_fraction > 0,
+            gossip=Gossip(cfg.hparams(), self.n, cfg.seed) if decentralized else None,
         )
-        driver.totals["bytes_up"] += sum(payload_bytes(p) for p in joins.values())
+        start = 0
+        if self.checkpoint_state is not None:
+            start = self.last_checkpoint = driver.load_state_dict(self.checkpoint_state)
+            self.run_dir.truncate_metrics(start)
+            log.info("resumed from the checkpoint of round %d", start)
+        else:
+            driver.totals["bytes_up"] += sum(payload_bytes(p) for p in joins.values())
+
+        def checkpoint(rnd: int) -> dict[str, Any]:
+            self.last_checkpoint = rnd  # nodes keep their state files from here on
+            return driver.state_dict(rnd)
 
         def progress(rnd: int, result: RoundResult, record: dict[str, Any] | None) -> None:
             log.info(
@@ -566,7 +720,15 @@ class Deployment:
             if record is not None:
                 log.info("round %d: mean acc %.4f", rnd, record["mean_acc"])
 
-        records = driver.run(cfg.rounds, cfg.eval_every, run_dir=self.run_dir, on_round=progress)
+        records = driver.run(
+            cfg.rounds,
+            cfg.eval_every,
+            start_round=start,
+            run_dir=self.run_dir,
+            checkpoint_every=cfg.checkpoint_every,
+            checkpoint=checkpoint if cfg.checkpoint_every else None,
+            on_round=progress,
+        )
         self.totals = driver.totals
         # the server's final state (not a simulator checkpoint: the client state is on the nodes)
         state = {"round": cfg.rounds, "server": server.state_dict(), "totals": dict(self.totals)}

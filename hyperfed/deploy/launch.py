@@ -49,18 +49,15 @@ class DeployError(RuntimeError):
     """A deployment that could not start or did not complete (message says why)."""
 
 
-def centralized(cfg: ExperimentConfig) -> Algorithm:
-    """The config's algorithm, if the Flower deployment can run it (a server and clients)."""
+def flower_algorithm(cfg: ExperimentConfig) -> Algorithm:
+    """The config's algorithm; Flower runs every kind: a centralized one with a server that
+    aggregates, a decentralized one with a server that only relays neighbours' payloads."""
     from hyperfed.algorithms import get_algorithm
-    from hyperfed.config import ConfigError
+    from hyperfed.runtime.simulate import check_architectures
 
-    alg = get_algorithm(cfg.algorithm.name)
-    if alg.kind != "centralized":
-        raise ConfigError(
-            f"algorithm.name: {alg.name} is {alg.kind}; the Flower deployment runs "
-            "centralized algorithms (a server and its clients)"
-        )
-    return alg
+    algorithm = get_algorithm(cfg.algorithm.name)
+    check_architectures(algorithm, cfg.clients.assignment(cfg.seed))
+    return algorithm
 
 
 def flwr_available() -> bool:
@@ -71,29 +68,100 @@ def flwr_available() -> bool:
     return True
 
 
-def _toml_str(text: str) -> str:
-    """A TOML basic string (JSON's escaping is valid TOML)."""
-    return json.dumps(text)
+# hyperfed's own run-config keys (hyphenated; the experiment's keys use underscores)
+RC_RUN_DIR = "run-dir"
+RC_MIN_NODES = "min-nodes"
+RC_JOIN_TIMEOUT = "join-timeout"
+RC_ROUND_TIMEOUT = "round-timeout"
+RC_RESUME = "resume"
+RC_JSON_KEYS = "json-keys"  # experiment keys whose value is JSON text (lists, unset values)
+RUN_KEYS = (RC_RUN_DIR, RC_MIN_NODES, RC_JOIN_TIMEOUT, RC_ROUND_TIMEOUT, RC_RESUME, RC_JSON_KEYS)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def experiment_run_config(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The experiment as Flower run-config keys, one per setting (``rounds``,
+    ``algorithm.name``, ``local.lr``, ...), so ``flwr run APP --run-config "rounds=50"``
+    changes it. Flower's values are bool / int / float / str: a list or an unset value is
+    JSON text, its key listed under ``json-keys``."""
+    flat = _flatten(cfg.model_dump())
+    json_keys = sorted(k for k, v in flat.items() if v is None or isinstance(v, list | tuple))
+    out = {k: json.dumps(v) if k in json_keys else v for k, v in flat.items()}
+    out[RC_JSON_KEYS] = ",".join(json_keys)
+    return out
+
+
+def experiment_from_run_config(run_config: dict[str, Any]) -> dict[str, Any]:
+    """The nested experiment dict back from (flat or nested) run-config keys: hyperfed's run
+    keys dropped, JSON text of ``json-keys`` decoded (a plain string stays a string, so
+    ``--run-config 'clients.models="lenet"'`` works too)."""
+    flat = _flatten(run_config)
+    json_keys = set(filter(None, str(flat.get(RC_JSON_KEYS, "")).split(",")))
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in RUN_KEYS:
+            continue
+        if key in json_keys and isinstance(value, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                value = json.loads(value)
+        if value is None:
+            continue
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
 
 
 def write_app(
     app_dir: str | Path,
-    config_toml: str,
+    cfg: ExperimentConfig,
     *,
     run_dir: str | Path | None = None,
     min_nodes: int = 0,
     join_timeout: float = 300.0,
     round_timeout: float = 600.0,
+    resume: bool = False,
 ) -> Path:
-    """Write the Flower app folder for an experiment config (TOML text); returns the folder.
+    """Write the Flower app folder for an experiment config; returns the folder.
 
-    ``run_dir`` is where the ServerApp writes metrics.jsonl / summary.md on the SuperLink's
-    machine (default ``runs/<time>-flower-<algorithm>`` under the SuperLink's working folder);
-    ``min_nodes`` is how many SuperNodes the server waits for (0: ``clients.count``)."""
+    The app's ``[tool.flwr.app.config]`` holds every setting of the experiment as its own key
+    (:func:`experiment_run_config`) beside hyperfed's run keys: ``run-dir`` is where the
+    ServerApp writes metrics.jsonl / summary.md on the SuperLink's machine (default
+    ``runs/<time>-flower-<algorithm>`` under the SuperLink's working folder); ``min-nodes``
+    how many SuperNodes the server waits for (0: ``clients.count``); ``resume`` continues the
+    run directory's last checkpoint."""
+    import tomli_w
+
     app = Path(app_dir)
     app.mkdir(parents=True, exist_ok=True)
-    run = "" if run_dir is None else str(run_dir)
+    run_config: dict[str, Any] = {
+        RC_RUN_DIR: "" if run_dir is None else str(run_dir),
+        RC_MIN_NODES: int(min_nodes),
+        RC_JOIN_TIMEOUT: float(join_timeout),
+        RC_ROUND_TIMEOUT: float(round_timeout),
+        RC_RESUME: bool(resume),
+    }
+    nested: dict[str, Any] = {}
+    for key, value in experiment_run_config(cfg).items():
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    config_table = tomli_w.dumps({"tool": {"flwr": {"app": {"config": {**run_config, **nested}}}}})
     text = f"""# Flower app for hyperfed (written by `hyperfed flower`); run it with `flwr run`.
+# Every experiment setting is a run-config key: flwr run APP --run-config "rounds=50"
 [build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
@@ -113,13 +181,7 @@ publisher = "hyperfed"
 serverapp = "{SERVERAPP}"
 clientapp = "{CLIENTAPP}"
 
-[tool.flwr.app.config]
-run-dir = {_toml_str(run)}
-min-nodes = {int(min_nodes)}
-join-timeout = {float(join_timeout)!r}
-round-timeout = {float(round_timeout)!r}
-hyperfed-config = {_toml_str(config_toml)}
-"""
+{config_table}"""
     (app / "pyproject.toml").write_text(text)
     return app
 
@@ -141,7 +203,9 @@ def _bin(name: str) -> str:
     return found
 
 
-def superlink_command(port: int, host: str = "127.0.0.1") -> list[str]:
+def superlink_command(port: int, host: str = "127.0.0.1", simulation: bool = False) -> list[str]:
+    """A SuperLink; ``simulation``: it runs the ClientApps itself on Flower's Simulation
+    Engine (Ray) instead of waiting for SuperNodes."""
     return [
         _bin("flower-superlink"),
         "--insecure",
@@ -150,6 +214,7 @@ def superlink_command(port: int, host: str = "127.0.0.1") -> list[str]:
         "--port",
         str(port),
         "--disable-runtime-dependency-installation",
+        *(["--simulation"] if simulation else []),
     ]
 
 
@@ -228,12 +293,32 @@ def _group_alive(pgid: int) -> bool:
 
 
 @dataclass
+class Simulated:
+    """Flower's Simulation Engine instead of SuperNode processes: ``nodes`` simulated
+    SuperNodes run as Ray actors inside the SuperLink's simulation process, each actor
+    reserving ``cpus`` CPUs and ``gpus`` GPUs; ``ray_address``: attach to a running Ray
+    cluster (``ray start --head`` on one machine, ``ray start --address=HEAD:6379`` on the
+    others) instead of starting a private one."""
+
+    cpus: int = 1
+    gpus: float = 0.0
+    ray_address: str | None = None
+
+    def federation_config(self, nodes: int) -> str:
+        return (
+            f"num-supernodes={nodes} client-resources-num-cpus={self.cpus} "
+            f"client-resources-num-gpus={self.gpus:g}"
+        )
+
+
+@dataclass
 class LocalDeployment:
-    """SuperLink + ``nodes`` SuperNodes on 127.0.0.1 for one experiment, as processes.
+    """SuperLink + ``nodes`` SuperNodes on 127.0.0.1 for one experiment, as processes (or,
+    with ``simulated``, one SuperLink running them on Flower's Simulation Engine).
 
     Use as a context manager: every process is stopped on exit, also after an error."""
 
-    config_toml: str
+    cfg: ExperimentConfig
     workdir: Path
     run_dir: Path
     nodes: int
@@ -242,6 +327,8 @@ class LocalDeployment:
     join_timeout: float = 300.0
     round_timeout: float = 600.0
     partition_ids: Sequence[int] | None = None
+    simulated: Simulated | None = None
+    resume: bool = False
     processes: list[Process] = field(default_factory=list)
     supernodes: list[Process] = field(default_factory=list)
     port: int = 0
@@ -260,6 +347,8 @@ class LocalDeployment:
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["OMP_NUM_THREADS"] = str(self.threads)
         env["MKL_NUM_THREADS"] = str(self.threads)
+        if self.simulated is not None and self.simulated.ray_address:
+            env["RAY_ADDRESS"] = self.simulated.ray_address  # ray.init() attaches to it
         return env
 
     def _spawn(self, name: str, cmd: list[str]) -> Process:
@@ -283,7 +372,8 @@ class LocalDeployment:
     def start(self, ready_timeout: float = 60.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        link = self._spawn("superlink", superlink_command(self.port))
+        simulation = self.simulated is not None
+        link = self._spawn("superlink", superlink_command(self.port, simulation=simulation))
         deadline = time.monotonic() + ready_timeout
         while not _port_open(self.port):
             if not link.alive():
@@ -292,7 +382,7 @@ class LocalDeployment:
                 raise DeployError(f"flower-superlink not listening after {ready_timeout:.0f} s")
             time.sleep(0.2)
         ids = list(self.partition_ids) if self.partition_ids is not None else range(self.nodes)
-        for i in ids:
+        for i in [] if simulation else ids:
             cmd = supernode_command(f"127.0.0.1:{self.port}", i, self.num_partitions, free_port())
             self.supernodes.append(self._spawn(f"supernode-{i}", cmd))
         self._write_cli_config()
@@ -343,13 +433,17 @@ class LocalDeployment:
         """Write the app and ``flwr run`` it; returns the run id."""
         write_app(
             self.app_dir,
-            self.config_toml,
+            self.cfg,
             run_dir=self.run_dir.resolve(),
             min_nodes=self.nodes,
             join_timeout=self.join_timeout,
             round_timeout=self.round_timeout,
+            resume=self.resume,
         )
-        res = self.flwr("run", str(self.app_dir), CONNECTION, "--format", "json")
+        federation = []
+        if self.simulated is not None:
+            federation = ["--federation-config", self.simulated.federation_config(self.nodes)]
+        res = self.flwr("run", str(self.app_dir), CONNECTION, *federation, "--format", "json")
         payload = _last_json(res.stdout)
         if res.returncode != 0 or not payload or not payload.get("success"):
             raise DeployError(f"flwr run failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")

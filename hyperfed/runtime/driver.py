@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hyperfed.algorithms.base import Payload, Server, payload_bytes, stack_payloads, unstack_payload
+from hyperfed.algorithms.base import Payload, Server, payload_bytes
 from hyperfed.engine.local import measured_flops
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.rundir import RunDir
@@ -140,8 +140,11 @@ class Transport(Protocol):
         """Deliver one setup payload per client (``Client.setup``); replies and statistics."""
         ...
 
-    def mixed(self, rnd: int, payloads: dict[int, Payload]) -> None:
-        """Gossip: hand each client its mixed payload ``sum_j W_ij reply_j`` (``Client.mix``)."""
+    def relay(self, rnd: int, W: Tensor, payloads: dict[int, Payload]) -> None:
+        """Gossip: client ``i`` (the ``i``-th key of ``payloads``) gets ``sum_j W[i, j]
+        payload_j`` into its state (``Client.mix``). Who computes the sum is the transport's
+        business: the simulator mixes in place, Flower relays the neighbours' payloads to each
+        node and the node mixes (its server never aggregates)."""
         ...
 
     def evaluate(self, msgs: dict[int, Payload], split: str) -> EvalCounts:
@@ -311,8 +314,7 @@ class RoundDriver:
         extra: dict[str, float] = {}
         if active:
             W = self.gossip.mixing(rnd, active)
-            mixed = Gossip.mix(W, stack_payloads([accepted[c] for c in active]))
-            self.transport.mixed(rnd, dict(zip(active, unstack_payload(mixed, len(active)))))
+            self.transport.relay(rnd, W, {c: accepted[c] for c in active})
             links = (W != 0).fill_diagonal_(False)
             sizes = torch.tensor([payload_bytes(accepted[c]) for c in active], dtype=torch.float64)
             degree = links.sum(1).to(torch.float64)

@@ -55,11 +55,13 @@ class Gossip:
 
     @staticmethod
     def mix(W: Tensor, payloads: Payload) -> Payload:
-        """``sum_j W[i, j] payload_j`` for every key (a leading client axis on every tensor)."""
+        """``sum_j W[i, j] payload_j`` for every key (a leading client axis on every tensor);
+        ``W`` is ``[m, n]`` for ``n`` payloads (one row: a node mixing its neighbours')."""
         out = {}
         for k, v in payloads.items():
             flat = v.reshape(v.shape[0], -1)
-            out[k] = (W.to(device=v.device, dtype=flat.dtype) @ flat).reshape(v.shape)
+            mixed = W.to(device=v.device, dtype=flat.dtype) @ flat
+            out[k] = mixed.reshape(W.shape[0], *v.shape[1:])
         return out
 
     @staticmethod

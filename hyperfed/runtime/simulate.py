@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hyperfed.algorithms import get_algorithm
 from hyperfed.algorithms.base import (
+    Algorithm,
     Client,
     ClientContext,
     ClientGroup,
@@ -102,9 +103,21 @@ def use_channels_last(cfg: ExperimentConfig, device: torch.device) -> bool:
     return mode == "on" or (mode == "auto" and device.type == "cpu")
 
 
-def load_federation(cfg: ExperimentConfig, device: torch.device) -> FederatedData:
+def check_architectures(algorithm: Algorithm, arch_of: list[str]) -> None:
+    """A method that serves one architecture refuses a mix (one line: how to fix it)."""
+    if algorithm.homogeneous_only and len(set(arch_of)) > 1:
+        raise ConfigError(
+            f"clients.models: {algorithm.name} needs one architecture for all clients "
+            f"(got {sorted(set(arch_of))}); set clients.models to a single name"
+        )
+
+
+def load_federation(
+    cfg: ExperimentConfig, device: torch.device, clients: list[int] | None = None
+) -> FederatedData:
     """The config's dataset split over ``clients.count`` clients: the same partition on every
-    machine for the same config and seed (the simulator and each Flower client call this)."""
+    machine for the same config and seed (the simulator and each Flower client call this).
+    ``clients``: keep only their samples (:meth:`FederatedData.only`; a Flower node's own)."""
     ds = cfg.dataset.load()
     for name in set(cfg.clients.assignment(cfg.seed)):
         try:
@@ -112,7 +125,7 @@ def load_federation(cfg: ExperimentConfig, device: torch.device) -> FederatedDat
         except ModelInputError as e:
             raise ConfigError(f"clients.models: {e}") from None
     p = cfg.partition
-    return federate(
+    data = federate(
         ds,
         cfg.clients.count,
         p.name,
@@ -123,8 +136,9 @@ def load_federation(cfg: ExperimentConfig, device: torch.device) -> FederatedDat
         val_fraction=p.val_fraction,
         seed=cfg.seed,
         subsample=cfg.dataset.subsample,
-        device=device,
+        device=device if clients is None else "cpu",
     )
+    return data if clients is None else data.only(clients).to(device)
 
 
 def build_models(
@@ -232,7 +246,10 @@ class InMemoryTransport:
         out.stats = {k: torch.cat(vs) for k, vs in stats.items()}
         return out
 
-    def mixed(self, rnd: int, payloads: dict[int, Payload]) -> None:
+    def relay(self, rnd: int, W: Tensor, payloads: dict[int, Payload]) -> None:
+        active = list(payloads)
+        mixed = Gossip.mix(W, stack_payloads([payloads[c] for c in active]))
+        payloads = dict(zip(active, unstack_payload(mixed, len(active))))
         for name, part in self._by_group(payloads):
             mine = stack_payloads([payloads[c] for c in part])
             self._put(
@@ -272,11 +289,7 @@ class Simulation:
             open_tensorboard()
         self.sgd = resolve_sgd(cfg, self.algorithm.local_defaults)
         self.arch_of = cfg.clients.assignment(cfg.seed)
-        if self.algorithm.homogeneous_only and len(set(self.arch_of)) > 1:
-            raise ConfigError(
-                f"clients.models: {self.algorithm.name} needs one architecture for all clients "
-                f"(got {sorted(set(self.arch_of))}); set clients.models to a single name"
-            )
+        check_architectures(self.algorithm, self.arch_of)
         if data is None:
             data = load_federation(cfg, self.device)
         self.data = data
@@ -300,7 +313,7 @@ class Simulation:
         self.server = self.algorithm.server(self.hp, self.joins, ctx)
         store: dict[int, dict[str, Tensor]] = {}
         for name, cids in self.groups.items():
-            state = self.client.init_state(self.models[name], len(cids))
+            state = self.client.init_states(self.models[name], cids)
             for i, cid in enumerate(cids):
                 store[cid] = {k: v[i].to(self.device) for k, v in state.items()}
         self.transport = InMemoryTransport(
