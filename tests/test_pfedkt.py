@@ -10,6 +10,7 @@ import torch
 from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext
 from hyperfed.algorithms.fedavg import FedAvgClient, FedAvgParams
 from hyperfed.algorithms.pfedkt import (
+    HN_DEFAULTS,
     PFedKTClient,
     PFedKTParams,
     PFedKTServer,
@@ -150,7 +151,7 @@ def test_no_hypernet_and_mu_zero_is_exactly_fedavg(digits_data):
 def test_client_round_absorbs_trained_model_and_is_vectorized(digits_data):
     """One pFedKT client round (hypernet + contrast): the hypernetwork update moves the
     generated model toward the trained one; vmap over clients equals the per-client loop."""
-    hp = PFedKTParams(hn_lr=1e-4, mu=0.1)
+    hp = PFedKTParams(hn_lr=1e-4, mu=0.1, hn_training="first_order")
     outs = []
     for vectorize in (True, False):
         group = _group(digits_data, vectorize=vectorize)
@@ -239,6 +240,7 @@ def test_local_hypernetwork_flops_are_counted_for_the_client():
         "clients.models=lenet",
         "local.epochs=1",
         "algorithm.name=pfedkt",
+        "algorithm.hn_training=first_order",
     ]
     with_hn = Simulation(load_config(None, base)).run_round(1).flops
     without = Simulation(load_config(None, [*base, "algorithm.use_hypernet=false"]))
@@ -433,7 +435,7 @@ def test_client_rounds_by_hand_train_upload_keep_and_evaluate_the_trained_model(
     data = _tiny_data(xs, ys)
     fm = _lin_fm()
     lr, mu, alpha, hn_lr = 0.5, 0.3, 5.0, 0.02
-    hp = PFedKTParams(mu=mu, alpha=alpha, hn_lr=hn_lr, **HN_SHAPE)
+    hp = PFedKTParams(mu=mu, alpha=alpha, hn_lr=hn_lr, hn_training="first_order", **HN_SHAPE)
     client = PFedKTClient(hp, ClientContext(0, torch.device("cpu"), N_CLS, (D_IN,)))
     state = client.init_state(fm, 2)
     state["hn"] = 0.7 * torch.randn(2, state["hn"].shape[1], dtype=torch.float64)
@@ -501,3 +503,198 @@ def test_server_fedavg_weights_replies_by_their_sample_counts():
     for c in (0, 1, 2):
         assert set(msgs[c]) == {"theta"}
         assert torch.allclose(msgs[c]["theta"], want, rtol=1e-12)
+
+
+# -- end-to-end training of the local hypernetwork (issue 21, item 1) ---------------------------
+# Appendix C / §3.2.1: the model is theta = h(v; phi) at every local step and the loss of Eq. 3
+# reaches phi by the chain rule of Eq. 7, grad_phi = (d theta / d phi)^T grad_theta f.
+
+
+def _e2e_setup(hn_optimizer: str | None, hn_lr: float | None = None):
+    torch.manual_seed(11)
+    n = (3, 4)
+    xs = [torch.randn(k, D_IN, dtype=torch.float64) for k in n]
+    ys = [torch.tensor([0, 1, 2]), torch.tensor([2, 2, 0, 1])]
+    data = _tiny_data(xs, ys)
+    fm = _lin_fm()
+    hp = PFedKTParams(
+        mu=0.3,
+        alpha=5.0,
+        hn_training="end_to_end",
+        hn_optimizer=hn_optimizer,
+        hn_lr=hn_lr,
+        **HN_SHAPE,
+    )
+    client = PFedKTClient(hp, ClientContext(0, torch.device("cpu"), N_CLS, (D_IN,)))
+    state = client.init_state(fm, 2)
+    state = {k: v.double() for k, v in state.items()}
+    state["hn"] = 0.7 * torch.randn(2, state["hn"].shape[1], dtype=torch.float64)
+    state["theta_prev"] = torch.randn(2, K_LIN, dtype=torch.float64)
+    return n, xs, ys, data, fm, hp, client, state
+
+
+def _fit_each(client, fm, data, n, state, glob, rnd, epochs=2):
+    """Each client alone, its whole data as one batch: ``epochs`` full-batch steps."""
+    new_states, replies, losses = [], [], []
+    for c, k in enumerate(n):
+        sgd = SGDConfig(lr=0.5, momentum=0.0, weight_decay=0.0, epochs=epochs, batch_size=k)
+        group = ClientGroup(fm, [c], data, rnd=rnd, seed=0, sgd=sgd)
+        sub = {key: v[c : c + 1] for key, v in state.items()}
+        reply, new_state, loss = client.fit(group, {"theta": glob[None]}, sub)
+        replies.append(reply["theta"][0])
+        new_states.append(new_state)
+        losses.append(loss[0])
+    merged = {key: torch.cat([s[key] for s in new_states]) for key in new_states[0]}
+    return torch.stack(replies), merged, torch.stack(losses)
+
+
+def test_end_to_end_gradient_reaching_phi_is_the_chain_rule_of_eq7():
+    """hn_training = end_to_end with plain SGD on phi (lr eta): every step is
+    ``phi <- phi - eta * J^T grad_theta f(theta)`` at ``theta = h(phi)``, with J = d theta /
+    d phi the full Jacobian (torch.autograd.functional.jacobian of the by-hand generator) and
+    grad_theta f the gradient of the by-hand Eq. 3 (triplet with the received global model
+    as positive and the stored previous model as negative). The trained private model is
+    h(phi after training): it is uploaded, kept as next round's negative and evaluated."""
+    eta = 0.05
+    n, xs, ys, data, fm, hp, client, state = _e2e_setup("sgd", eta)
+    assert client.opt.name == "sgd" and client.opt.lr == eta
+    phi, prev = state["hn"].clone(), state["theta_prev"].clone()
+    glob = torch.randn(K_LIN, dtype=torch.float64)
+    replies, new_state, losses = _fit_each(client, fm, data, n, state, glob, rnd=1)
+    for c in range(2):
+        p, fs = phi[c].clone(), []
+        for _ in range(2):
+            theta = _hn_generate(p).detach().requires_grad_(True)
+            f, pre = _eq3_by_hand(theta, glob, prev[c], xs[c], ys[c], hp.mu, hp.alpha)
+            assert float(pre) > 0, "the example must keep the hinge active"
+            (g_theta,) = torch.autograd.grad(f, theta)
+            jac = torch.autograd.functional.jacobian(_hn_generate, p)  # [K, P]
+            assert jac.shape == (K_LIN, phi.shape[1])
+            p, fs = p - eta * (jac.T @ g_theta), [*fs, float(f.detach())]
+        assert torch.allclose(new_state["hn"][c], p, rtol=1e-9, atol=1e-12)
+        assert not torch.allclose(new_state["hn"][c], phi[c], atol=1e-4), "phi was trained"
+        assert float(losses[c]) == pytest.approx(sum(fs) / 2, rel=1e-9)
+        trained = _hn_generate(p)
+        assert torch.allclose(replies[c], trained, rtol=1e-9, atol=1e-12)  # uploaded
+        assert not torch.allclose(replies[c], _hn_generate(phi[c]), atol=1e-4)
+        assert torch.allclose(new_state["theta_prev"][c], trained, rtol=1e-9, atol=1e-12)
+        sub = {k: v[c : c + 1] for k, v in new_state.items()}
+        ev, _ = client.eval_model(None, {}, sub)  # type: ignore[arg-type]
+        assert torch.allclose(ev[0], trained, rtol=1e-9, atol=1e-12)  # evaluated
+
+
+def test_end_to_end_uses_adam_on_phi_and_keeps_its_state_across_rounds():
+    """Default optimizer of end_to_end: Adam (torch.optim.Adam's update, lr = the mode's
+    default) on phi, its moments kept from round to round: two rounds of two full-batch steps
+    equal four steps of torch.optim.Adam on the by-hand loss (the negative of round 2 being
+    round 1's trained model h(phi))."""
+    n, xs, ys, data, fm, hp, client, state = _e2e_setup(None)
+    name, lr = HN_DEFAULTS["end_to_end"]
+    assert (client.opt.name, client.opt.lr) == (name, lr) == ("adam", hp.hn_opt().lr)
+    phi0, prev0 = state["hn"].clone(), state["theta_prev"].clone()
+    globs = [torch.randn(K_LIN, dtype=torch.float64) for _ in range(2)]
+    for rnd, glob in enumerate(globs, 1):
+        _, state, _ = _fit_each(client, fm, data, n, state, glob, rnd=rnd)
+    assert torch.equal(state["hn_t"], torch.full((2,), 4.0, dtype=state["hn_t"].dtype))
+    for c in range(2):
+        leaf = phi0[c].clone().requires_grad_(True)
+        adam = torch.optim.Adam([leaf], lr=lr)
+        prev = prev0[c]
+        for glob in globs:
+            for _ in range(2):
+                adam.zero_grad()
+                f, _ = _eq3_by_hand(_hn_generate(leaf), glob, prev, xs[c], ys[c], 0.3, 5.0)
+                f.backward()
+                adam.step()
+            prev = _hn_generate(leaf).detach()
+        assert torch.allclose(state["hn"][c], leaf.detach(), rtol=1e-7, atol=1e-10)
+        assert torch.allclose(state["theta_prev"][c], prev, rtol=1e-7, atol=1e-10)
+
+
+def test_end_to_end_vmapped_group_equals_client_loop_with_unequal_steps(digits_data):
+    """A group of clients with different numbers of local steps: the vmapped step over the
+    client axis (finished clients masked) equals training each client alone."""
+    hp = PFedKTParams(mu=0.1, hn_training="end_to_end", hn_lr=1e-3)
+    clients = (0, 1, 2)
+    outs = []
+    for vectorize in (True, False):
+        group = _group(digits_data, clients, vectorize=vectorize)
+        client = PFedKTClient(hp, _cctx(digits_data))
+        torch.manual_seed(5)
+        state = client.init_state(group.fm, group.size)
+        state["theta_prev"] = state["theta_prev"] + 0.05 * torch.randn_like(state["theta_prev"])
+        msg = {"theta": group.fm.initial_params().expand(group.size, -1).clone()}
+        reply, new_state, loss = client.fit(group, msg, state)
+        hn = client.hypernet(group.fm)
+        assert torch.allclose(reply["theta"], hn.generate(new_state["hn"]), atol=1e-6)
+        assert not torch.allclose(new_state["hn"], state["hn"], atol=1e-6)
+        outs.append((reply["theta"], new_state["hn"], new_state["hn_t"], loss))
+    steps = outs[0][2]
+    assert len(set(steps.tolist())) > 1, "the example must give clients different step counts"
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_first_order_mode_trains_theta_then_updates_phi_once():
+    """hn_training = first_order keeps Alg. 1's literal round (SGD on theta from h(phi), then
+    one Eq. 1 step on phi): phi moves by exactly one step (Adam's t = 1 there would be an
+    end-to-end run's many), and the defaults per mode are sgd 1e-4 vs adam."""
+    assert PFedKTParams(hn_training="first_order").hn_opt().name == "sgd"
+    assert PFedKTParams(hn_training="first_order").hn_opt().lr == HN_DEFAULTS["first_order"][1]
+    assert PFedKTParams(hn_training="end_to_end").hn_opt().name == "adam"
+    assert PFedKTParams(hn_training="end_to_end", hn_optimizer="sgd", hn_lr=0.2).hn_opt() == (
+        HNOptimizer("sgd", 0.2)
+    )
+    n, xs, ys, data, fm, _, _, state = _e2e_setup(None)
+    hp = PFedKTParams(mu=0.3, alpha=5.0, hn_training="first_order", hn_optimizer="adam", **HN_SHAPE)
+    client = PFedKTClient(hp, ClientContext(0, torch.device("cpu"), N_CLS, (D_IN,)))
+    state.update({k: v.double() for k, v in client.opt.init_state(state["hn"]).items()})
+    _, new_state, _ = _fit_each(client, fm, data, n, state, torch.zeros(K_LIN).double(), 1)
+    assert torch.equal(new_state["hn_t"], torch.ones(2, dtype=new_state["hn_t"].dtype))
+
+
+def test_end_to_end_flops_count_the_hypernetwork_at_every_step():
+    """FLOPs by hand: each end-to-end step adds the generation F and its backward into both
+    operands of every product (2F) to the target model's step, and the trained model is
+    generated once more at the end: with_hn - without = clients * (3F * steps + F)."""
+    base = [
+        "device=cpu",
+        "dataset.name=digits",
+        "dataset.subsample=200",
+        "clients.count=2",
+        "clients.models=lenet",
+        "local.epochs=1",
+        "algorithm.name=pfedkt",
+        "algorithm.hn_training=end_to_end",
+    ]
+    sim = Simulation(load_config(None, base))
+    with_hn = sim.run_round(1).flops
+    without = Simulation(load_config(None, [*base, "algorithm.use_hypernet=false"]))
+    without_flops = without.run_round(1).flops
+    hp = PFedKTParams()
+    hn = ChunkedHypernet(without.models["lenet"].num_params)
+    e, h, k = hp.emb_dim, hp.hidden, hp.chunk
+    generation = 2 * hn.num_chunks * (e * h + h * h * hp.n_hidden + h * k)
+    b = sim.cfg.local.batch_size
+    steps = [math.ceil(len(sim.data.train_idx[c]) / b) for c in (0, 1)]
+    assert with_hn - without_flops == sum(3 * generation * s + generation for s in steps) > 0
+
+
+def test_each_client_hypernetwork_starts_from_its_own_draw_unless_asked():
+    """Alg. 1 / App. B: phi_k^0 is drawn per client (different generated models); with
+    hn_same_start every client gets one draw, the same whether clients are initialized together
+    (simulation) or one by one (a Flower process each)."""
+    fm = _lin_fm()
+    ctx = ClientContext(3, torch.device("cpu"), N_CLS, (D_IN,))
+    torch.manual_seed(0)
+    own = PFedKTClient(PFedKTParams(**HN_SHAPE), ctx).init_state(fm, 3)["hn"]
+    assert not torch.allclose(own[0], own[1]) and not torch.allclose(own[1], own[2])
+    same = PFedKTClient(PFedKTParams(hn_same_start=True, **HN_SHAPE), ctx)
+    together = same.init_state(fm, 3)["hn"]
+    torch.manual_seed(123)  # another process: another global RNG state
+    alone = same.init_state(fm, 1)["hn"]
+    assert torch.equal(together, alone.expand(3, -1))
+    # the target-std rescaling of hn_init="target" holds for every client's first model
+    gen = ChunkedHypernet(K_LIN, **HN_SHAPE).generate(own)
+    want = float(fm.initial_params().std())
+    assert torch.allclose(gen.std(dim=1), torch.full((3,), want, dtype=gen.dtype), rtol=1e-4)
