@@ -599,8 +599,9 @@ def test_literal_generation_is_eq2_without_a_fixed_offset() -> None:
 def test_each_device_starts_from_its_own_draw_and_the_same_one_everywhere() -> None:
     """Alg. 1 line 3: every device initializes (phi, z) at random, its own draw; the draw
     depends on the client id only, so the simulator and a Flower node (a group of one) give
-    client i the same start. ``init = "shared"``: one start for all."""
-    sim = _sim("dfedhp")
+    client i the same start. ``init = "shared"`` (the default, chosen on validation): one
+    start for all."""
+    sim = _sim("dfedhp", "algorithm.init=per_device")
     phi = torch.stack([sim.store[c]["phi"] for c in ALL])
     z = torch.stack([sim.store[c]["z"] for c in ALL])
     assert all(not torch.equal(phi[0], phi[c]) for c in (1, 2, 3))
@@ -609,7 +610,7 @@ def test_each_device_starts_from_its_own_draw_and_the_same_one_everywhere() -> N
     for c in ALL:  # alone (a node), or in another order: the same draw for client c
         alone = sim.client.init_states(fm, [c])
         assert torch.equal(alone["phi"][0], phi[c]) and torch.equal(alone["z"][0], z[c])
-    shared = _sim("dfedhp", "algorithm.init=shared")
+    shared = _sim("dfedhp")
     assert all(torch.equal(shared.store[0]["phi"], shared.store[c]["phi"]) for c in ALL)
     assert all(torch.equal(shared.store[0]["z"], shared.store[c]["z"]) for c in ALL)
     # heads start as the model's initial head in both (the personal part is not drawn)
