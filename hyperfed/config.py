@@ -387,6 +387,29 @@ def config_from_dict(raw: dict[str, Any]) -> ExperimentConfig:
     return cfg
 
 
+def flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"local": {"lr": 0.1}}`` -> ``{"local.lr": 0.1}`` (the ``--set`` spelling of keys)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def nested_keys(flat: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`flat_keys`."""
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
 def to_toml(cfg: ExperimentConfig) -> str:
     """Resolved config as TOML (written into every run directory; tomli-w writes it)."""
     import tomli_w

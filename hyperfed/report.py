@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from hyperfed.config import flat_keys
 from hyperfed.errors import HyperfedError
 from hyperfed.runtime.rundir import SUMMARY, read_metrics
 
@@ -110,23 +111,13 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
     return "\n".join(lines) + "\n"
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def group_by_seed(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Runs whose resolved configs differ only by ``seed``, grouped (in first-seen order),
     each labelled by the config keys that differ between groups (e.g. ``algorithm.name``)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     flats = []
     for s in summaries:
-        flat = {k: v for k, v in _flat(s.get("config", {})).items() if k != "seed"}
+        flat = {k: v for k, v in flat_keys(s.get("config", {})).items() if k != "seed"}
         flats.append(flat)
         groups.setdefault(json.dumps(flat, sort_keys=True, default=str), []).append(s)
     keys = sorted({k for f in flats for k in f})
@@ -136,7 +127,7 @@ def group_by_seed(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     one_method = "algorithm.name" not in varying
     out = []
     for members in groups.values():
-        flat = _flat(members[0].get("config", {}))
+        flat = flat_keys(members[0].get("config", {}))
         shown = [
             k
             for k in varying

@@ -78,22 +78,14 @@ RC_JSON_KEYS = "json-keys"  # experiment keys whose value is JSON text (lists, u
 RUN_KEYS = (RC_RUN_DIR, RC_MIN_NODES, RC_JOIN_TIMEOUT, RC_ROUND_TIMEOUT, RC_RESUME, RC_JSON_KEYS)
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def experiment_run_config(cfg: ExperimentConfig) -> dict[str, Any]:
     """The experiment as Flower run-config keys, one per setting (``rounds``,
     ``algorithm.name``, ``local.lr``, ...), so ``flwr run APP --run-config "rounds=50"``
     changes it. Flower's values are bool / int / float / str: a list or an unset value is
     JSON text, its key listed under ``json-keys``."""
-    flat = _flatten(cfg.model_dump())
+    from hyperfed.config import flat_keys
+
+    flat = flat_keys(cfg.model_dump())
     json_keys = sorted(k for k, v in flat.items() if v is None or isinstance(v, list | tuple))
     out = {k: json.dumps(v) if k in json_keys else v for k, v in flat.items()}
     out[RC_JSON_KEYS] = ",".join(json_keys)
@@ -104,23 +96,20 @@ def experiment_from_run_config(run_config: dict[str, Any]) -> dict[str, Any]:
     """The nested experiment dict back from (flat or nested) run-config keys: hyperfed's run
     keys dropped, JSON text of ``json-keys`` decoded (a plain string stays a string, so
     ``--run-config 'clients.models="lenet"'`` works too)."""
-    flat = _flatten(run_config)
+    from hyperfed.config import flat_keys, nested_keys
+
+    flat = flat_keys(run_config)
     json_keys = set(filter(None, str(flat.get(RC_JSON_KEYS, "")).split(",")))
-    tree: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     for key, value in flat.items():
         if key in RUN_KEYS:
             continue
         if key in json_keys and isinstance(value, str):
             with contextlib.suppress(json.JSONDecodeError):
                 value = json.loads(value)
-        if value is None:
-            continue
-        *parents, leaf = key.split(".")
-        node = tree
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
+        if value is not None:
+            settings[key] = value
+    return nested_keys(settings)
 
 
 def write_app(
@@ -152,13 +141,9 @@ def write_app(
         RC_ROUND_TIMEOUT: float(round_timeout),
         RC_RESUME: bool(resume),
     }
-    nested: dict[str, Any] = {}
-    for key, value in experiment_run_config(cfg).items():
-        *parents, leaf = key.split(".")
-        node = nested
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    from hyperfed.config import nested_keys
+
+    nested = nested_keys(experiment_run_config(cfg))
     config_table = tomli_w.dumps({"tool": {"flwr": {"app": {"config": {**run_config, **nested}}}}})
     text = f"""# Flower app for hyperfed (written by `hyperfed flower`); run it with `flwr run`.
 # Every experiment setting is a run-config key: flwr run APP --run-config "rounds=50"
