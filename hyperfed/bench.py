@@ -10,7 +10,9 @@ every 10 rounds. Each execution path runs the same rounds from the same seed:
 - ``vmap``: the engine, all clients of one architecture in one vmapped step;
 - ``graphs`` (GPU): ``vmap`` with each step replayed as one captured CUDA graph;
 - ``compiled``: ``loop`` with each architecture's step compiled by torch.compile
-  (``local.compile = "on"``; the compile happens in the warm-up round, outside the timing).
+  (``local.compile = "on"``; the compile happens in the warm-up round, outside the timing);
+- ``workers``: ``loop`` with the round's clients trained in one worker process per physical
+  core (``local.workers = "auto"``, one torch thread each; the pool starts in the warm-up).
 
 :func:`step_table` (``hyperfed bench --models ...``) times one client's local step per zoo
 model instead and reports its FLOP/s against the machine's dense-matmul FLOP/s, measured in
@@ -58,6 +60,7 @@ MODES = {
     "loop": "off",
     "loop-nchw": "off",
     "compiled": "off",
+    "workers": "off",
     "vmap": "on",
     "graphs": "on",
 }
@@ -132,6 +135,7 @@ def _bench_config(
             f"local.cuda_graphs={'on' if mode == 'graphs' else 'off'}",
             f"local.channels_last={'off' if mode == 'loop-nchw' else 'auto'}",
             f"local.compile={'on' if mode == 'compiled' else 'off'}",
+            f"local.workers={'auto' if mode == 'workers' else 1}",
         ],
     )
 
@@ -162,6 +166,7 @@ def bench_mode(
     _sync(device)
     evaluation = time.perf_counter() - t0
     result = BenchResult(mode, train + evaluation / 10, train, evaluation, _peak_memory_mb(device))
+    sim.close()
     del sim
     gc.collect()
     return result

@@ -428,7 +428,7 @@ FEDPER = [
     *[s for s in SETTINGS if not s.startswith(("algorithm.", "clients.models", "rounds"))],
     "algorithm.name=fedper",
     "clients.models=lenet",
-    "rounds=4",
+    "rounds=2",
     "eval_every=2",
 ]
 
@@ -451,7 +451,7 @@ def test_flower_simulation_engine_gives_the_simulators_metrics(tmp_path):
     res = runner.invoke(app, ["flower", "sim", *sets, "--out", str(tmp_path / "sim"), "--quiet"])
     assert res.exit_code == 0, res.output
     native, sim = read_metrics(tmp_path / "native"), read_metrics(tmp_path / "sim")
-    assert [r["round"] for r in sim] == [r["round"] for r in native] == [2, 4]
+    assert [r["round"] for r in sim] == [r["round"] for r in native] == [2]
     for a, b in zip(native, sim):  # every client's accuracy, every evaluation
         assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
         assert b["bytes_up_total"] == a["bytes_up_total"]
@@ -461,19 +461,16 @@ def test_flower_simulation_engine_gives_the_simulators_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_deployment_resumes_and_ends_as_an_uninterrupted_run(tmp_path, deployments):
-    """Server and nodes killed after the checkpoint of round 2, the run restarted with
+    """Server and nodes killed after the checkpoint of round 1, the run restarted with
     resume: the same metrics as the simulator's uninterrupted run (fedper: each node's head
     is state that must survive)."""
-    cfg = load_config(None, [*FEDPER, "checkpoint_every=2"])
+    cfg = load_config(None, [*FEDPER, "checkpoint_every=1"])
     expected = Simulation(cfg).run()
     d = _deploy(cfg, tmp_path, deployments)
     run_id = d.submit()
     run = tmp_path / "run"
     deadline = time.monotonic() + 600
-    while (
-        not [r for r in read_metrics(run) if r["round"] == 2]
-        or not (run / "checkpoint.pt").exists()
-    ):
+    while not (run / "checkpoint.pt").exists():
         assert time.monotonic() < deadline, d.logs()
         assert d.status(run_id) in ("", "pending", "starting", "running"), d.logs()
         time.sleep(0.5)
@@ -495,10 +492,10 @@ def test_a_killed_deployment_resumes_and_ends_as_an_uninterrupted_run(tmp_path, 
     status = again.wait(again.submit(), timeout=900)
     assert status == "finished:completed", again.logs()
     got = read_metrics(run)
-    assert [r["round"] for r in got] == [2, 4]
+    assert [r["round"] for r in got] == [2]
     for a, b in zip(expected, got):
         assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
-    assert "resumed from the checkpoint of round 2" in (run / "server.log").read_text()
+    assert "resumed from the checkpoint of round 1" in (run / "server.log").read_text()
 
 
 @pytest.mark.slow
