@@ -36,7 +36,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +178,7 @@ class ClientRuntime:
     client: Client
     device: torch.device
     lost: bool = False  # its saved state was gone when a resumed run needed it
+    run_keys: dict[str, str] = field(default_factory=dict)  # run-dir -> its state folder name
 
     @classmethod
     def build(cls, cfg: ExperimentConfig, cid: int, num_partitions: int) -> ClientRuntime:
@@ -226,9 +227,11 @@ class ClientRuntime:
         if self.cfg.checkpoint_every is None:
             return None
         root = os.environ.get(STATE_DIR_ENV) or str(Path(get_flwr_home()) / "hyperfed-state")
-        run = str(context.run_config.get(RC_RUN_DIR, "")) + to_toml(self.cfg)
-        key = hashlib.sha256(run.encode()).hexdigest()[:16]
-        return Path(root) / key / f"client-{self.cid}"
+        run_dir = str(context.run_config.get(RC_RUN_DIR, ""))
+        if run_dir not in self.run_keys:  # hashed once, not on every message
+            text = run_dir + to_toml(self.cfg)
+            self.run_keys[run_dir] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return Path(root) / self.run_keys[run_dir] / f"client-{self.cid}"
 
     @staticmethod
     def _saved(folder: Path) -> dict[int, Path]:
