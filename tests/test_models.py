@@ -233,3 +233,65 @@ def test_seed_003_wide_variants_match_tables_11_to_13():
     assert count("mlp_wide") == fc(3072, 128, 2048, 100)
     vgg_convs = count("vgg8") - fc(1024, 180, 64, 100)
     assert count("vgg8_wide") == vgg_convs + fc(1024, 180, 2048, 100)
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet10"])
+def test_functional_model_binds_flat_views_like_functional_call(name: str) -> None:
+    """Outside torch.func transforms FunctionalModel puts theta's views straight into the
+    modules' slots (no functional_call): same outputs and BatchNorm statistics as
+    functional_call, gradients reach theta, and the module's own tensors are back after the
+    call, also when the forward raises."""
+    from hyperfed.models.layout import FunctionalModel
+
+    fm = FunctionalModel(_build(name, (3, 16, 16), 10), name)
+    own = {k: v.clone() for k, v in fm.module.state_dict().items()}
+    theta = fm.initial_params() + 0.01 * torch.randn(fm.num_params)
+    buffers = fm.initial_buffers() + 0.1
+    x = torch.randn(4, 3, 16, 16)
+
+    tensors = {**fm.layout.unflatten(theta), **fm.buffer_layout.unflatten(buffers.clone())}
+    counters = {n: torch.zeros((), dtype=torch.long) for n, b in fm.module.named_buffers()}
+    tensors.update({n: c for n, c in counters.items() if n not in tensors})
+    fm.module.train()
+    expected = functional_call(fm.module, tensors, (x,))
+    leaf = theta.clone().requires_grad_(True)
+    logits, new_buffers = fm.forward_train(leaf, buffers, x)
+    torch.testing.assert_close(logits, expected)
+    if fm.num_buffers:  # BatchNorm wrote its statistics into the returned copy only
+        expected_buffers = fm.buffer_layout.flatten({k: tensors[k] for k in fm.buffer_layout.names})
+        torch.testing.assert_close(new_buffers, expected_buffers)
+        assert not torch.equal(new_buffers, buffers)
+    (g,) = torch.autograd.grad(logits.sum(), leaf)
+    assert g.abs().sum() > 0
+    fm.module.eval()
+    torch.testing.assert_close(
+        fm.forward(theta, buffers, x),
+        functional_call(
+            fm.module, {**fm.layout.unflatten(theta), **fm.buffer_layout.unflatten(buffers)}, (x,)
+        ),
+    )
+    with pytest.raises(RuntimeError):
+        fm.forward(theta, buffers, torch.randn(4, 5, 16, 16))  # wrong channel count
+    for k, v in fm.module.state_dict().items():
+        assert torch.equal(v, own[k]), k
+    assert all(isinstance(p, nn.Parameter) for p in fm.module.parameters())
+
+
+def test_functional_model_binds_a_tied_weight_in_every_slot() -> None:
+    from hyperfed.models.layout import FunctionalModel
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3, bias=False)
+            self.b = nn.Linear(3, 3, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    fm = FunctionalModel(Tied(), "tied")
+    assert fm.num_params == 9
+    theta = torch.eye(3).reshape(-1) * 2
+    out = fm.forward(theta, fm.initial_buffers(), torch.ones(1, 3))
+    torch.testing.assert_close(out, torch.full((1, 3), 4.0))  # (2I)(2I) x
