@@ -305,3 +305,62 @@ def test_same_models_groups_equal_rows_only():
     theta = torch.tensor([[1.0, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 4]])
     buffers = torch.tensor([[0.0], [5], [0], [0]])  # row 1: same weights, other statistics
     assert _same_models(theta, buffers) == [[0, 2], [1], [3]]
+
+
+class _DropNet(torch.nn.Module):
+    """A digits MLP with Dropout(0.5): its training forward draws masks."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Flatten(1),
+            torch.nn.Linear(64, 32),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(p),
+            torch.nn.Linear(32, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _dropout_setup(digits_data, clients, p=0.5):
+    torch.manual_seed(0)
+    fm = FunctionalModel(_DropNet(p), "dropnet")
+    theta = fm.initial_params().expand(len(clients), -1).clone()
+    buffers = fm.initial_buffers().expand(len(clients), -1).clone()
+    sgd = SGDConfig(lr=0.1, momentum=0.9, weight_decay=0.0, epochs=1, batch_size=16)
+    seeds = [client_seed(3, 2, c) for c in clients]
+    plan = plan_batches([digits_data.train_idx[c] for c in clients], 1, 16, seeds)
+    return fm, theta, buffers, plan, sgd
+
+
+def test_dropout_masks_depend_only_on_the_client_and_match_the_reference(digits_data):
+    """A client's dropout masks come from its (run, round, client) seed: the client trained
+    alone equals its row in a group, the papers' nn.Module loop draws the same masks, and the
+    caller's random stream is left where it was."""
+    fm, theta, buffers, plan, sgd = _dropout_setup(digits_data, [0, 1, 2])
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    group, _, _ = train_clients(fm, theta, buffers, digits_data, plan, sgd, vectorize=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(999)  # another global state: must not matter
+    _, alone_theta, alone_buffers, alone_plan, _ = _dropout_setup(digits_data, [2])
+    alone, _, _ = train_clients(
+        fm, alone_theta, alone_buffers, digits_data, alone_plan, sgd, vectorize=False
+    )
+    assert torch.equal(alone[0], group[2])
+    ref, _ = train_reference(copy.deepcopy(fm.module), fm, theta, buffers, digits_data, plan, sgd)
+    torch.testing.assert_close(group, ref, atol=2e-5, rtol=1e-4)
+    # the masks are really drawn (p = 0 trains differently)
+    fm0, *_ = _dropout_setup(digits_data, [0, 1, 2], p=0.0)
+    no_dropout, _, _ = train_clients(fm0, theta, buffers, digits_data, plan, sgd, vectorize=False)
+    assert not torch.allclose(no_dropout, group)
+
+
+def test_vmapped_dropout_draws_each_clients_own_masks(digits_data):
+    # two clients with the same start and the same batches differ only by their masks
+    fm, theta, buffers, plan, sgd = _dropout_setup(digits_data, [0, 0])
+    t, _, loss = train_clients(fm, theta, buffers, digits_data, plan, sgd, vectorize=True)
+    assert torch.isfinite(t).all() and torch.isfinite(loss).all()
+    assert not torch.allclose(t[0], t[1])

@@ -124,15 +124,35 @@ def test_resolve_workers():
         load_config(None, ["local.workers=0"])
 
 
-def test_dropout_models_refuse_explicit_workers():
-    # dropout masks come from a process's global random stream: workers could not match
+def test_dropout_models_refuse_explicit_workers_only_when_vmapped():
+    # a vmapped step draws every client's dropout masks from one process's stream: workers
+    # could not match; the client loop seeds each client's masks, so it needs no refusal
     cfg = load_config(None, [*BASE, "clients.models=squeezenet1_1"])
     models = build_models(cfg, (3, 32, 32), 10, torch.device("cpu"))
     with pytest.raises(ConfigError, match="dropout"):
-        stochastic_models(models, 2)
-    assert stochastic_models(models, "auto") == ["squeezenet1_1"]  # auto: one process
+        stochastic_models(models, 2, vectorize=True)
+    assert stochastic_models(models, "auto", vectorize=True) == ["squeezenet1_1"]  # one process
+    assert stochastic_models(models, 2, vectorize=False) == []
     lenet = build_models(load_config(None, BASE), (1, 8, 8), 10, torch.device("cpu"))
-    assert stochastic_models(lenet, 2) == []
+    assert stochastic_models(lenet, 2, vectorize=True) == []
+
+
+def test_a_dropout_model_trains_in_workers_exactly_as_in_one_process():
+    # SqueezeNet 1.1 (Dropout 0.5 before its classifier), FedAvg, 4 clients in 2 workers: the
+    # client loop seeds each client's masks by (run, round, client), so chunking changes nothing
+    from hyperfed.bench import synthetic_federation
+
+    data = synthetic_federation(4, 24, (3, 20, 20), 10)
+    args = ["algorithm.name=fedavg", "clients.models=squeezenet1_1", "clients.count=4"]
+    runs = []
+    for workers in (1, 2):
+        cfg = load_config(None, [*BASE, *args, f"local.workers={workers}"])
+        sim = Simulation(cfg, data=data)
+        records = sim.run()
+        assert (sim.transport.parallel is not None) == (workers == 2)
+        runs.append((sim, records))
+    (one, r1), (two, r2) = runs
+    _same(one, two, r1, r2)
 
 
 # -- the pool on its own: errors come back as one line, never a hang ------------------------------

@@ -77,7 +77,14 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
-from hyperfed.engine.local import BatchPlan, FlopMeter, LossFn, _one_client
+from hyperfed.engine.local import (
+    BatchPlan,
+    FlopMeter,
+    LossFn,
+    client_plan,
+    client_rng,
+    one_client_step,
+)
 from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, optimizer_step, update
 from hyperfed.models.layout import FunctionalModel
 
@@ -270,26 +277,26 @@ def train_end_to_end(
     if FlopMeter.active:
         _count_step_flops(step_loss, group, hn, phi, buffers, plan, ctx)
     if group.vectorize:
-        step = vmap(grad_and_value(step_loss, has_aux=True))
+        step = vmap(grad_and_value(step_loss, has_aux=True), randomness="different")
         return _opt_loop(step, opt, phi, opt_state, buffers, group, plan, ctx)
     outs = []
     for c in range(phi.shape[0]):
-        s = plan.counts[c]
-        sub = BatchPlan(plan.idx[:s, c : c + 1], plan.active[:s, c : c + 1], (s,))
+        sub = client_plan(plan, c)
         one = {k: v[c : c + 1] for k, v in opt_state.items()}
         cx = {k: v[c : c + 1] for k, v in ctx.items()}
-        outs.append(
-            _opt_loop(
-                _one_client(step_loss),
-                opt,
-                phi[c : c + 1],
-                one,
-                buffers[c : c + 1],
-                group,
-                sub,
-                cx,
-            )  # fmt: skip
-        )
+        with client_rng(group.fm, sub):
+            outs.append(
+                _opt_loop(
+                    one_client_step(step_loss),
+                    opt,
+                    phi[c : c + 1],
+                    one,
+                    buffers[c : c + 1],
+                    group,
+                    sub,
+                    cx,
+                )  # fmt: skip
+            )
     states = [o[1] for o in outs]
     return (
         torch.cat([o[0] for o in outs]),

@@ -13,6 +13,10 @@ BatchNorm always sees full batches). Clients that finished their steps are maske
 parameters, momentum and BatchNorm statistics stay as they are while the others go on.
 The shuffles come from a generator seeded per (run seed, round, client), so a client's
 batches do not depend on which other clients share its group, nor on the execution path.
+Dropout masks in the client loop and the reference loop come from the same per-client seed
+(:func:`client_rng`), so a model with dropout trains alike in one process, in worker
+processes (``local.workers``) and after a resume; under ``vmap`` every client draws its own
+masks from the process's stream (``randomness="different"``).
 
 Execution paths: the vmapped step (GPU default), the same step client after client with
 plain autograd (CPU default; with channels-last activations inside
@@ -62,6 +66,7 @@ class BatchPlan:
     idx: Tensor  # [S, C, B] global sample indices
     active: Tensor  # [S, C] bool: client c takes a step at s
     counts: tuple[int, ...]  # steps per client, on the host (no device sync to read them)
+    seeds: tuple[int, ...] = ()  # per client (run, round, client): dropout in client_rng
 
     @property
     def steps(self) -> int:
@@ -187,7 +192,31 @@ def plan_batches(
         idx[:s, c] = b
         idx[s:, c] = b[-1]  # padding steps are masked out; any valid index will do
         active[:s, c] = True
-    return BatchPlan(idx, active, tuple(counts))
+    return BatchPlan(idx, active, tuple(counts), tuple(seeds))
+
+
+def client_plan(plan: BatchPlan, c: int) -> BatchPlan:
+    """Client ``c``'s part of a group's plan: its own steps on a client axis of length 1."""
+    s = plan.counts[c]
+    seeds = plan.seeds[c : c + 1]
+    return BatchPlan(plan.idx[:s, c : c + 1], plan.active[:s, c : c + 1], (s,), seeds)
+
+
+@contextmanager
+def client_rng(fm: FunctionalModel, plan: BatchPlan) -> Iterator[None]:
+    """The global random stream of a one-client ``plan``, seeded by its (run, round, client)
+    seed while the client trains, for a model that draws from it (dropout); restored after.
+    Models without dropout, and plans without seeds, leave the stream alone."""
+    if not fm.stochastic or not plan.seeds:
+        yield
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(plan.seeds[0] ^ _DROPOUT_SALT)
+        yield
+
+
+_DROPOUT_SALT = 0x5EED_D80F  # the masks' stream differs from the batch shuffles' stream
 
 
 def cross_entropy_loss(
@@ -235,28 +264,28 @@ def train_clients(
         count_flops(loss_fn, fm, theta, buffers, data, plan, ctx, step_ctx)
     mask = None if trainable is None else trainable.to(device=theta.device, dtype=theta.dtype)
     if vectorize:
-        step = vmap(grad_and_value(step_loss, has_aux=True))
+        step = vmap(grad_and_value(step_loss, has_aux=True), randomness="different")
         return _sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
     outs = []
     for c in range(theta.shape[0]):
-        s = plan.counts[c]
-        sub = BatchPlan(plan.idx[:s, c : c + 1], plan.active[:s, c : c + 1], (s,))
+        sub = client_plan(plan, c)
         m = mask if mask is None or mask.dim() == 1 else mask[c : c + 1]
         cx = {k: v[c : c + 1] for k, v in ctx.items()}
-        sx = {k: v[:s, c : c + 1] for k, v in step_ctx.items()}
-        outs.append(
-            _sgd_loop(
-                _one_client(step_loss),
-                theta[c : c + 1],
-                buffers[c : c + 1],
-                data,
-                sub,
-                sgd,
-                cx,
-                m,
-                sx,
+        sx = {k: v[: sub.steps, c : c + 1] for k, v in step_ctx.items()}
+        with client_rng(fm, sub):
+            outs.append(
+                _sgd_loop(
+                    one_client_step(step_loss),
+                    theta[c : c + 1],
+                    buffers[c : c + 1],
+                    data,
+                    sub,
+                    sgd,
+                    cx,
+                    m,
+                    sx,
+                )
             )
-        )
     return tuple(torch.cat(parts) for parts in zip(*outs))  # type: ignore[return-value]
 
 
@@ -323,7 +352,7 @@ def _compile_failed(fm: FunctionalModel, e: Exception) -> None:
     _COMPILED[fm] = None
 
 
-def _one_client(step_loss: Callable) -> Callable:
+def one_client_step(step_loss: Callable) -> Callable:
     """One client's step on a client axis of length 1, with plain autograd: no vmap and no
     ``torch.func`` transform, whose per-op dispatch overhead dominates small CPU steps."""
 
@@ -503,11 +532,12 @@ def train_reference(
         opt = torch.optim.SGD(
             module.parameters(), lr=sgd.lr, momentum=sgd.momentum, weight_decay=sgd.weight_decay
         )
-        for s in range(plan.counts[c]):
-            x, y = data.batch(plan.idx[s, c])
-            opt.zero_grad()
-            F.cross_entropy(module(x), y).backward()
-            opt.step()
+        with client_rng(fm, client_plan(plan, c)):
+            for s in range(plan.counts[c]):
+                x, y = data.batch(plan.idx[s, c])
+                opt.zero_grad()
+                F.cross_entropy(module(x), y).backward()
+                opt.step()
         t, b = fm.read_from(module)
         out_theta.append(t.clone())
         out_buf.append(b.clone())

@@ -168,6 +168,13 @@ class FunctionalModel:
         self._slots = _tensor_slots(module)
 
     @property
+    def stochastic(self) -> bool:
+        """Whether a training forward draws from the random stream (dropout with p > 0)."""
+        return any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in self.module.modules()
+        )
+
+    @property
     def num_params(self) -> int:
         return self.layout.size
 

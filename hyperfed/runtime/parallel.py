@@ -100,26 +100,27 @@ def resolve_workers(setting: int | str, device: torch.device, max_clients: int) 
     return n
 
 
-def stochastic_models(models: dict[str, Any], setting: int | str) -> list[str]:
-    """Architectures with dropout: its masks come from a process's global random stream, so
-    worker processes would draw other masks than one process does. Such a federation trains in
-    one process (a warning says so; an explicit worker count is refused)."""
-    found = [
-        name
-        for name, fm in models.items()
-        if any(
-            isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
-            for m in fm.module.modules()
-        )
-    ]
+def stochastic_models(models: dict[str, Any], setting: int | str, vectorize: bool) -> list[str]:
+    """Architectures with dropout when clients train vmapped (``local.vectorize``): a vmapped
+    step draws every client's masks from the process's random stream at once, so worker
+    processes would draw other masks than one process does, and such a federation trains in
+    one process (a warning says so; an explicit worker count is refused). The client loop
+    seeds each client's masks by (run, round, client) (``engine.local.client_rng``), so it
+    has no such models."""
+    if not vectorize:
+        return []
+    found = [name for name, fm in models.items() if fm.stochastic]
     if found and setting != "auto":
         raise ConfigError(
-            f"local.workers: {', '.join(found)} uses dropout, whose masks are drawn from one "
-            "process's random stream, so workers would not reproduce local.workers = 1; "
-            "set local.workers = 1 (or auto, which then uses one process)"
+            f"local.workers: {', '.join(found)} uses dropout, whose masks a vmapped step draws "
+            "from one process's random stream, so workers would not reproduce local.workers = "
+            "1; set local.vectorize = off (the client loop seeds them per client) or "
+            "local.workers = 1"
         )
     if found:
-        log.warning("local.workers = auto: %s uses dropout; training in one process", found)
+        log.warning(
+            "local.workers = auto: %s uses dropout under vmap; training in one process", found
+        )
     return found
 
 

@@ -344,7 +344,7 @@ class Simulation:
         self.driver.totals["bytes_up"] += self.bytes_join
         per_round = max(1, round(cfg.participation * cfg.clients.count))
         workers = resolve_workers(cfg.local.workers, self.device, per_round)
-        if workers > 1 and stochastic_models(self.models, cfg.local.workers):
+        if workers > 1 and stochastic_models(self.models, cfg.local.workers, self.vectorize):
             workers = 1
         if workers > 1:  # runtime/parallel.py; started on the first round
             self.transport.parallel = ParallelFit(workers, worker_chunks, (cfg,), data)
