@@ -329,14 +329,25 @@ def reproduce(
         str, typer.Option(help="cpu (Fashion-MNIST, minutes) or paper (the paper's sizes).")
     ] = "cpu",
     parallel: Annotated[int, typer.Option(help="Runs at a time (processes).")] = 1,
+    methods: Annotated[
+        str | None,
+        typer.Option(help="Only these of the target's methods, e.g. fedavg,mh_pfedhn."),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Folder for the target's sweep.")] = Path("reproduce"),
     configs: Annotated[Path, typer.Option(help="The repository's configs/ folder.")] = Path(
         "configs"
     ),
 ) -> None:
     """Run a paper table's comparison and print it beside the paper's figures."""
-    from hyperfed.report import run_summary, write_report
-    from hyperfed.reproduce import TARGETS, compare, get_target, markdown, sweep_args
+    from hyperfed.report import run_algorithm, run_summary, write_report
+    from hyperfed.reproduce import (
+        TARGETS,
+        chosen_methods,
+        compare,
+        get_target,
+        markdown,
+        sweep_args,
+    )
     from hyperfed.sweep import run_sweep, sweep_runs
 
     if list_targets or target is None:
@@ -353,7 +364,8 @@ def reproduce(
         fail(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2")
     try:
         t = get_target(target)
-        config, sets = sweep_args(t, scale, configs)
+        chosen = chosen_methods(t, methods)
+        config, sets = sweep_args(t, scale, configs, chosen)
         folder = out / f"{t.key.replace(':', '-')}-{scale}"
         with Progress(
             TextColumn(f"[bold blue]{t.key}"),
@@ -378,8 +390,8 @@ def reproduce(
             )
         for name, why in result.failed:
             err_console.print(f"[bold red]failed:[/] {name}: {why}", highlight=False)
-        runs = sweep_runs([folder])
-        text = markdown(t, compare(t, [run_summary(r) for r in runs]), seed_list)
+        runs = [r for r in sweep_runs([folder]) if run_algorithm(r) in chosen]
+        text = markdown(t, compare(t, [run_summary(r) for r in runs], chosen), seed_list)
         write_report(runs, folder / "report")
         (folder / "reproduce.md").write_text(text)
     except HyperfedError as e:

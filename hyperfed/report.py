@@ -32,6 +32,14 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.3f}"
 
 
+def run_algorithm(path: str | Path) -> str:
+    """The method a run directory's config.toml names ("" without one)."""
+    config = Path(path) / "config.toml"
+    if not config.exists():
+        return ""
+    return str(tomllib.loads(config.read_text()).get("algorithm", {}).get("name", ""))
+
+
 def run_summary(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     records = read_metrics(path)

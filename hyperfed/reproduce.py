@@ -250,22 +250,44 @@ def get_target(key: str) -> Target:
     return TARGETS[key]
 
 
-def sweep_args(target: Target, scale: str, configs: Path) -> tuple[Path, list[str]]:
-    """(config path, the sweep's --set axes) for ``scale`` ("cpu" or "paper")."""
+def chosen_methods(target: Target, methods: str | None) -> tuple[str, ...]:
+    """The target's methods, or the comma-separated subset ``methods`` (``--methods``), in the
+    target's order; a method the target does not have is a one-line error."""
+    if not methods:
+        return target.methods
+    wanted = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in wanted if m not in target.methods]
+    if unknown or not wanted:
+        raise ReproduceError(
+            f"--methods {methods!r}: {', '.join(unknown) or 'nothing'} not in {target.key}'s "
+            f"methods ({', '.join(target.methods)})"
+        )
+    return tuple(m for m in target.methods if m in wanted)
+
+
+def sweep_args(
+    target: Target, scale: str, configs: Path, methods: tuple[str, ...] | None = None
+) -> tuple[Path, list[str]]:
+    """(config path, the sweep's --set axes) for ``scale`` ("cpu" or "paper"), over
+    ``methods`` (default: all the target's)."""
     if scale not in ("cpu", "paper"):
         raise ReproduceError(f"--scale {scale!r}: choose cpu or paper")
     extra = target.cpu if scale == "cpu" else target.paper_scale
     config = configs / target.config
     if not config.exists():
         raise ReproduceError(f"{config}: config missing; run from the repository root")
-    return config, [f"algorithm.name={','.join(target.methods)}", *extra]
+    return config, [f"algorithm.name={','.join(methods or target.methods)}", *extra]
 
 
-def compare(target: Target, summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Our mean ± std per method (final mean accuracy, %) and each claimed ordering checked."""
+def compare(
+    target: Target, summaries: list[dict[str, Any]], methods: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """Our mean ± std per method (final mean accuracy, %) and each claimed ordering checked;
+    runs of methods outside ``methods`` (``--methods``) are left out, as "not run"."""
     by_method: dict[str, list[float]] = {}
     for s in summaries:
-        by_method.setdefault(s["algorithm"], []).append(100 * float(s["final_mean_acc"]))
+        if methods is None or s["algorithm"] in methods:
+            by_method.setdefault(s["algorithm"], []).append(100 * float(s["final_mean_acc"]))
     rows: list[dict[str, Any]] = []
     for m in target.methods:
         accs = by_method.get(m, [])

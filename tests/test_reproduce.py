@@ -61,3 +61,31 @@ def test_cli_lists_targets_and_refuses_an_unknown_one() -> None:
     assert listing.exit_code == 0 and "000:table1" in listing.output
     bad = runner.invoke(app, ["reproduce", "000:table99"])
     assert bad.exit_code == 2 and "unknown target '000:table99'" in bad.output
+
+
+def test_methods_picks_a_subset_and_the_rest_show_as_not_run(tmp_path: Path) -> None:
+    from hyperfed.reproduce import ReproduceError, chosen_methods
+
+    assert chosen_methods(TOY, None) == ("a", "b", "c")
+    assert chosen_methods(TOY, "c, a") == ("a", "c")  # the target's order
+    with pytest.raises(ReproduceError, match="--methods 'a,z': z not in 9:t's methods"):
+        chosen_methods(TOY, "a,z")
+    target = TARGETS["003:table1"]
+    _, sets = sweep_args(target, "cpu", Path("configs"), chosen_methods(target, "fedavg,fedbn"))
+    assert sets[0] == "algorithm.name=fedavg,fedbn"
+    # runs of a left-out method already in the folder do not count
+    runs = [_summary("a", 0.5), _summary("b", 0.9), _summary("c", 0.6)]
+    result = compare(TOY, runs, ("a", "c"))
+    b = next(r for r in result["rows"] if r["method"] == "b")
+    assert b["n"] == 0 and b["mean"] is None
+    assert result["checks"] == [{"claim": "c > a", "verdict": "holds"}]
+    # the CLI tells a run's method from its config.toml, even a run that wrote no metrics
+    from hyperfed.report import run_algorithm
+
+    (tmp_path / "config.toml").write_text('[algorithm]\nname = "feddm"\n')
+    assert run_algorithm(tmp_path) == "feddm" and run_algorithm(tmp_path / "none") == ""
+
+
+def test_cli_refuses_a_method_the_target_lacks() -> None:
+    bad = CliRunner().invoke(app, ["reproduce", "003:table1", "--methods", "fedavg,moon"])
+    assert bad.exit_code != 0 and "moon not in 003:table1's methods" in bad.output
