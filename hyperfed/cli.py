@@ -346,6 +346,7 @@ def reproduce(
         compare,
         get_target,
         markdown,
+        runs_method,
         sweep_args,
     )
     from hyperfed.sweep import run_sweep, sweep_runs
@@ -365,7 +366,7 @@ def reproduce(
     try:
         t = get_target(target)
         chosen = chosen_methods(t, methods)
-        config, sets = sweep_args(t, scale, configs, chosen)
+        config, sets = sweep_args(t, scale, configs)
         folder = out / f"{t.key.replace(':', '-')}-{scale}"
         with Progress(
             TextColumn(f"[bold blue]{t.key}"),
@@ -387,6 +388,7 @@ def reproduce(
                 seeds=seed_list,
                 parallel=parallel,
                 on_progress=on_progress,
+                only=runs_method(chosen),
             )
         for name, why in result.failed:
             err_console.print(f"[bold red]failed:[/] {name}: {why}", highlight=False)

@@ -16,11 +16,15 @@ are what is checked.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyperfed.errors import HyperfedError
+
+if TYPE_CHECKING:
+    from hyperfed.sweep import SweepPoint
 
 
 class ReproduceError(HyperfedError, ValueError):
@@ -265,18 +269,21 @@ def chosen_methods(target: Target, methods: str | None) -> tuple[str, ...]:
     return tuple(m for m in target.methods if m in wanted)
 
 
-def sweep_args(
-    target: Target, scale: str, configs: Path, methods: tuple[str, ...] | None = None
-) -> tuple[Path, list[str]]:
-    """(config path, the sweep's --set axes) for ``scale`` ("cpu" or "paper"), over
-    ``methods`` (default: all the target's)."""
+def sweep_args(target: Target, scale: str, configs: Path) -> tuple[Path, list[str]]:
+    """(config path, the sweep's --set axes) for ``scale`` ("cpu" or "paper")."""
     if scale not in ("cpu", "paper"):
         raise ReproduceError(f"--scale {scale!r}: choose cpu or paper")
     extra = target.cpu if scale == "cpu" else target.paper_scale
     config = configs / target.config
     if not config.exists():
         raise ReproduceError(f"{config}: config missing; run from the repository root")
-    return config, [f"algorithm.name={','.join(methods or target.methods)}", *extra]
+    return config, [f"algorithm.name={','.join(target.methods)}", *extra]
+
+
+def runs_method(methods: tuple[str, ...]) -> Callable[[SweepPoint], bool]:
+    """The sweep filter of ``--methods``: a point runs when its method is one of ``methods``."""
+    names = {f"algorithm.name={m}" for m in methods}
+    return lambda point: bool(names.intersection(point.sets))
 
 
 def compare(

@@ -137,9 +137,12 @@ def run_sweep(
     parallel: int = 1,
     threads: int | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
+    only: Callable[[SweepPoint], bool] | None = None,
 ) -> SweepResult:
     """Run (or resume) the sweep in ``out``. A second call with another grid is refused
-    (a sweep folder holds one grid); with no ``sets``/``config`` it resumes the stored one."""
+    (a sweep folder holds one grid); with no ``sets``/``config`` it resumes the stored one.
+    ``only`` runs just the grid's points it accepts (the folder still holds the whole grid,
+    so a later call can run the rest)."""
     if parallel < 1:
         raise SweepError(f"--parallel {parallel}: run at least 1 at a time")
     stored = load_manifest(out)
@@ -156,7 +159,7 @@ def run_sweep(
         )
     if config is not None and not config.exists():
         raise SweepError(f"--config {config}: no such file")
-    points = expand(parse_axes(sets), seeds)
+    points = [p for p in expand(parse_axes(sets), seeds) if only is None or only(p)]
     # validate every point before starting anything (a typo fails now, not after an hour)
     rounds = {}
     for p in points:

@@ -70,9 +70,20 @@ def test_methods_picks_a_subset_and_the_rest_show_as_not_run(tmp_path: Path) -> 
     assert chosen_methods(TOY, "c, a") == ("a", "c")  # the target's order
     with pytest.raises(ReproduceError, match="--methods 'a,z': z not in 9:t's methods"):
         chosen_methods(TOY, "a,z")
+    # the sweep keeps the target's whole grid; --methods only filters which points run
+    from hyperfed.reproduce import runs_method
+    from hyperfed.sweep import expand, parse_axes
+
     target = TARGETS["003:table1"]
-    _, sets = sweep_args(target, "cpu", Path("configs"), chosen_methods(target, "fedavg,fedbn"))
-    assert sets[0] == "algorithm.name=fedavg,fedbn"
+    _, sets = sweep_args(target, "cpu", Path("configs"))
+    points = expand(parse_axes(sets), [0, 1])
+    picked = [p for p in points if runs_method(chosen_methods(target, "mh_pfedhn,fedavg"))(p)]
+    assert [p.name for p in picked] == [
+        "algorithm.name=fedavg,seed=0",
+        "algorithm.name=fedavg,seed=1",
+        "algorithm.name=mh_pfedhn,seed=0",
+        "algorithm.name=mh_pfedhn,seed=1",
+    ]
     # runs of a left-out method already in the folder do not count
     runs = [_summary("a", 0.5), _summary("b", 0.9), _summary("c", 0.6)]
     result = compare(TOY, runs, ("a", "c"))
