@@ -166,12 +166,10 @@ class FunctionalModel:
             if not b.is_floating_point()
         }
         self._slots = _tensor_slots(module)
-
-    @property
-    def stochastic(self) -> bool:
-        """Whether a training forward draws from the random stream (dropout with p > 0)."""
-        return any(
-            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in self.module.modules()
+        # whether a training forward draws from the random stream (dropout with p > 0); read
+        # per client and round by engine.local.client_rng, so found once here
+        self.stochastic = any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules()
         )
 
     @property
