@@ -20,8 +20,9 @@ masks from the process's stream (``randomness="different"``).
 
 Execution paths: the vmapped step (GPU default), the same step client after client with
 plain autograd (CPU default; with channels-last activations inside
-:func:`hyperfed.models.layout.channels_last`), each vmapped step replayed as a CUDA graph
-(``cuda_graphs``), and :func:`train_reference`. :class:`FlopMeter` measures what any of them
+:func:`hyperfed.models.layout.channels_last`; the plain cross-entropy loss there trains each
+parameter as its own leaf with torch's fused SGD kernel, other losses one flat leaf), each
+vmapped step replayed as a CUDA graph (``cuda_graphs``), and :func:`train_reference`. :class:`FlopMeter` measures what any of them
 trains.
 """
 
@@ -267,12 +268,18 @@ def train_clients(
         step = vmap(grad_and_value(step_loss, has_aux=True), randomness="different")
         return _sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
     outs = []
+    # the plain loss of a whole parameter vector trains on per-parameter leaves (one fused
+    # SGD kernel a step, no flat gradient to gather); other losses may read theta itself
+    leaves = plain and mask is None and run_loss is loss_fn
     for c in range(theta.shape[0]):
         sub = client_plan(plan, c)
         m = mask if mask is None or mask.dim() == 1 else mask[c : c + 1]
         cx = {k: v[c : c + 1] for k, v in ctx.items()}
         sx = {k: v[: sub.steps, c : c + 1] for k, v in step_ctx.items()}
         with client_rng(fm, sub):
+            if leaves:
+                outs.append(_leaf_sgd_loop(fm, theta[c], buffers[c], data, sub, sgd))
+                continue
             outs.append(
                 _sgd_loop(
                     one_client_step(step_loss),
@@ -366,6 +373,49 @@ def one_client_step(step_loss: Callable) -> Callable:
         return g[None], (loss_d[None], (loss_d[None], nb.detach()[None]))
 
     return run
+
+
+def _leaf_sgd_loop(
+    fm: FunctionalModel,
+    theta: Tensor,
+    buffers: Tensor,
+    data: FederatedData,
+    plan: BatchPlan,
+    sgd: SGDConfig,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One client's local SGD on :func:`cross_entropy_loss` (a one-client ``plan``), each
+    parameter its own autograd leaf: a view into a copy of the client's flat vector, updated
+    in place by torch's fused SGD kernel (``torch.optim.SGD(fused=True)``'s: the same step as
+    :func:`_sgd_update_`, in one pass). The flat gradient is never gathered: on a 2-core CPU,
+    a LeNet step on 10 images took ~13% less than through one flat leaf (issue 27)."""
+    flat = theta.detach().clone()
+    views = list(fm.layout.unflatten(flat).values())  # updated in place: flat is the result
+    params = tuple(v.detach().requires_grad_() for v in views)  # the leaves, same memory
+    momentum = flat.new_zeros(flat.shape)  # torch.optim.SGD's first step: buf = d = 0 * m + d
+    bufs = list(fm.layout.unflatten(momentum).values()) if sgd.momentum else []
+    losses = []
+    with torch.enable_grad():
+        for idx in plan.idx[:, 0].unbind(0):
+            x, y = data.batch(idx)
+            logits, new_buffers = fm.forward_train(params, buffers, x)
+            loss = F.cross_entropy(logits, y)
+            grads = torch.autograd.grad(loss, params)
+            torch._fused_sgd_(  # on the views (no autograd); it walks raw memory, so a
+                views,  # channels-last weight gradient is made contiguous like its parameter
+                [g if g.dim() < 4 else g.contiguous() for g in grads],
+                bufs,
+                weight_decay=sgd.weight_decay,
+                momentum=sgd.momentum,
+                lr=sgd.lr,
+                dampening=0.0,
+                nesterov=False,
+                maximize=False,
+                is_first_step=False,
+            )
+            buffers = new_buffers.detach()
+            losses.append(loss.detach())
+    loss_sum = torch.stack(losses).sum()
+    return flat[None], buffers[None], (loss_sum / plan.steps)[None]
 
 
 def _sgd_update(

@@ -19,6 +19,10 @@ from torch import Tensor, nn
 from torch._C._functorch import maybe_current_level
 from torch.func import functional_call
 
+# a flat parameter vector ``[..., K]``, or one tensor per parameter in layout order (the
+# client loop's per-parameter leaves, engine.local._leaf_sgd_loop)
+Params = Tensor | tuple[Tensor, ...]
+
 _NHWC = {"on": False}  # set by channels_last(); read by FunctionalModel._call
 
 
@@ -206,11 +210,14 @@ class FunctionalModel:
         return torch.cat(bufs) if bufs else torch.zeros(0)
 
     def _call(
-        self, theta: Tensor, buffers: Tensor, x: Tensor, features: bool, copy: bool = True
+        self, theta: Params, buffers: Tensor, x: Tensor, features: bool, copy: bool = True
     ) -> object:
         """``copy=False`` hands ``buffers`` itself to the module: a training-mode BatchNorm
         outside a torch.func transform then writes its new running statistics into it."""
-        tensors = self.layout.unflatten(theta)
+        if isinstance(theta, tuple):  # one tensor per parameter, in layout order
+            tensors = dict(zip(self.layout.names, theta))
+        else:
+            tensors = self.layout.unflatten(theta)
         if self.buffer_layout.size:
             # a copy: outside vmap BatchNorm would update the caller's statistics in place
             tensors.update(self.buffer_layout.unflatten(buffers.clone() if copy else buffers))
@@ -244,7 +251,7 @@ class FunctionalModel:
                 slots[key] = value
 
     def forward(
-        self, theta: Tensor, buffers: Tensor, x: Tensor, *, return_features: bool = False
+        self, theta: Params, buffers: Tensor, x: Tensor, *, return_features: bool = False
     ) -> Any:
         """Inference forward (BatchNorm uses running statistics)."""
         if self.module.training:  # modes are only ever set on the root (recursing costs)
@@ -252,7 +259,7 @@ class FunctionalModel:
         return self._call(theta, buffers, x, return_features)  # type: ignore[return-value]
 
     def forward_train(
-        self, theta: Tensor, buffers: Tensor, x: Tensor, *, return_features: bool = False
+        self, theta: Params, buffers: Tensor, x: Tensor, *, return_features: bool = False
     ) -> tuple[Any, Tensor]:
         """Training forward; returns ``(output, new_buffers)``."""
         if not self.module.training:
