@@ -23,7 +23,7 @@ from hyperfed.algorithms.mh_pfedhn import (
 from hyperfed.config import load_config
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig
-from hyperfed.hypernet.multihead import MultiHeadHypernet, num_chunks
+from hyperfed.hypernet.multihead import Head, MultiHeadHypernet, num_chunks
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.runtime.simulate import Simulation
 
@@ -98,6 +98,35 @@ def test_backward_equals_autograd_through_generated_thetas(heads):
     index = next(i for i, p in enumerate(params) if p is only[0])
     assert torch.allclose(only[0].grad, expected[index], atol=1e-6)
     assert all(p.grad is None for p in params if p is not only[0])
+    # the heads' gradients by hand: a second backward adds to .grad; after
+    # zero_grad(set_to_none=True) the kept buffer starts over from the new gradient
+    hn.zero_grad(set_to_none=True)
+    hn.backward(g)
+    hn.backward(g)
+    for p, e in zip(params, expected):
+        if e is not None:
+            assert torch.allclose(p.grad, 2 * e, atol=1e-6)
+    hn.zero_grad(set_to_none=True)
+    hn.backward({c: -v for c, v in g.items()})
+    for p, e in zip(params, expected):
+        if e is not None:
+            assert torch.allclose(p.grad, -e, atol=1e-6)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_head_gradient_by_hand_equals_autograd_with_fewer_channels_than_the_head(shared):
+    """Head.backward_from = autograd through Head.forward, also for codes of tau = 2 on a
+    head of 3 channels (the third channel's weight and bias get zero gradient)."""
+    torch.manual_seed(0)
+    head = Head(channels=3, hidden=5, out_dim=7, shared=shared)
+    codes = torch.randn(4, 2, 5, requires_grad=True)
+    g = torch.randn(4, 2, 7)
+    expected = torch.autograd.grad((head(codes) * g).sum(), [codes, head.weight, head.bias])
+    got_codes = head.backward_from(codes.detach(), g)
+    for got, e in zip([got_codes, head.weight.grad, head.bias.grad], expected):
+        assert torch.allclose(got, e, atol=1e-6)
+    if not shared:
+        assert head.weight.grad[2].abs().sum() == 0 and head.bias.grad[2].abs().sum() == 0
 
 
 @pytest.mark.parametrize("mode", ["sequential", "mean"])
