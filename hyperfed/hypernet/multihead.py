@@ -226,6 +226,7 @@ class MultiHeadHypernet(nn.Module):
         codes_grads: list[Tensor] = []
         for (key, tau), members in self.head_groups(list(output_grads)).items():
             head = self.heads[key]
+            assert isinstance(head, Head)
             v = torch.stack([self.embeddings[self._name(c)] for c in members])  # [C, tau, e]
             codes = self.extractor(v)
             chunk = self.chunk[members[0]]
