@@ -207,6 +207,35 @@ def test_training_inside_measured_flops_is_counted_once() -> None:
     assert measured == direct.get_total_flops() > 0
 
 
+@pytest.mark.parametrize("model", ["lenet", "resnet10"])
+def test_flop_sum_counts_what_torchs_flop_counter_counts(model) -> None:
+    """FlopSum (every FLOP count of hyperfed) = torch's FlopCounterMode, on a training step
+    (convolutions, BatchNorm, linear layers, their backward) and on MH-pFedHN's hypernetwork
+    (einsum -> bmm, its hand-written head gradient, Adam's fused step)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hyperfed.engine.local import FlopSum
+    from hyperfed.hypernet.multihead import MultiHeadHypernet
+
+    torch.manual_seed(0)
+    module = build_model(model, (3, 32, 32), 10)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    hn = MultiHeadHypernet({0: 2500, 1: 2200, 2: 700}, out_dim=1000, hidden=8, embed_dim=4)
+    opt = torch.optim.Adam(hn.parameters(), lr=1e-3, fused=True)
+
+    def work() -> None:
+        torch.nn.functional.cross_entropy(module(x), y).backward()
+        thetas = hn.generate([0, 1, 2])
+        hn.backward({c: torch.ones_like(t) for c, t in thetas.items()})
+        opt.step()
+
+    with FlopCounterMode(display=False) as reference:
+        work()
+    with FlopSum() as mine:
+        work()
+    assert mine.get_total_flops() == reference.get_total_flops() > 0
+
+
 # -- local.compile: the client loop's step compiled by torch.compile --------------------------
 
 

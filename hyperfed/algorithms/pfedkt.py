@@ -80,6 +80,7 @@ from hyperfed.algorithms.local_settings import SEED001
 from hyperfed.engine.local import (
     BatchPlan,
     FlopMeter,
+    FlopSum,
     LossFn,
     client_plan,
     client_rng,
@@ -351,8 +352,6 @@ def _count_step_flops(
 ) -> None:
     """FLOPs of one end-to-end step (generation, loss, back-propagation into phi), measured
     once per shape with torch's flop counter and multiplied by the client-steps taken."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     if FlopMeter.exact:  # an outer counter sees every op already
         return
     key = (
@@ -366,7 +365,7 @@ def _count_step_flops(
     if key not in _STEP_FLOPS:
         x, y = group.data.batch(plan.idx[0, 0])
         leaf = phi[0].detach().requires_grad_(True)
-        with FlopCounterMode(display=False) as counter, torch.enable_grad():
+        with FlopSum() as counter, torch.enable_grad():
             loss, _ = step_loss(leaf, buffers[0], x, y, {k: v[0] for k, v in ctx.items()})
             torch.autograd.grad(loss, leaf)
         _STEP_FLOPS[key] = int(counter.get_total_flops())

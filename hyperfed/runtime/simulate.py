@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import FlopCounterMode
 
 from hyperfed.algorithms import get_algorithm
 from hyperfed.algorithms.base import (
@@ -33,7 +32,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.config import ConfigError, ExperimentConfig, to_toml
 from hyperfed.data.federated import FederatedData, federate
-from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients
+from hyperfed.engine.local import FlopMeter, FlopSum, SGDConfig, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.models.zoo import ModelInputError, build_model, check_input
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver, RoundResult
@@ -82,7 +81,7 @@ def train_flops_per_sample(
     module = fm.module
     x = torch.zeros(2, *input_shape, device=device)
     module.train()
-    with FlopCounterMode(display=False) as counter:
+    with FlopSum() as counter:
         module(x).sum().backward()
     module.zero_grad(set_to_none=True)
     return int(counter.get_total_flops() // 2)
