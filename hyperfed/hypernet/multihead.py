@@ -104,7 +104,11 @@ class Head(nn.Module):
         rows = (value if value is not None else product[0]).shape[0]  # type: ignore[index]
         if param.grad is None:
             buf = self._grad_buffers.get(id(param))
-            if buf is None or buf.shape != param.shape:
+            if buf is None or (buf.shape, buf.dtype, buf.device) != (
+                param.shape,
+                param.dtype,
+                param.device,
+            ):
                 buf = torch.empty_like(param)
                 self._grad_buffers[id(param)] = buf
             if rows < len(buf):
