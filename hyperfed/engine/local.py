@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from hyperfed.data.federated import FederatedData
-from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.layout import FunctionalModel, Params
 
 log = logging.getLogger("hyperfed")
 T = TypeVar("T")
@@ -243,9 +243,9 @@ _DROPOUT_SALT = 0x5EED_D80F  # the masks' stream differs from the batch shuffles
 
 
 def cross_entropy_loss(
-    fm: FunctionalModel, theta: Tensor, buffers: Tensor, x: Tensor, y: Tensor, ctx: dict
+    fm: FunctionalModel, theta: Params, buffers: Tensor, x: Tensor, y: Tensor, ctx: dict
 ) -> tuple[Tensor, Tensor]:
-    """The supervised loss every method starts from."""
+    """The supervised loss every method starts from (``theta`` flat or per parameter)."""
     logits, new_buffers = fm.forward_train(theta, buffers, x)
     return F.cross_entropy(logits, y), new_buffers
 
@@ -420,8 +420,7 @@ def _leaf_sgd_loop(
     with torch.enable_grad():
         for idx in plan.idx[:, 0].unbind(0):
             x, y = data.batch(idx)
-            logits, new_buffers = fm.forward_train(params, buffers, x)
-            loss = F.cross_entropy(logits, y)
+            loss, new_buffers = cross_entropy_loss(fm, params, buffers, x, y, {})
             grads = torch.autograd.grad(loss, params)
             torch._fused_sgd_(  # on the views (no autograd); it walks raw memory, so a
                 views,  # channels-last weight gradient is made contiguous like its parameter
