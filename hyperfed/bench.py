@@ -98,6 +98,13 @@ class BenchResult:
     peak_memory_mb: float
 
 
+def _median_result(results: list[BenchResult]) -> BenchResult:
+    """A path's repetitions as one result: the median of each number."""
+    fields = ("seconds_per_round", "train_seconds", "eval_seconds", "peak_memory_mb")
+    medians = {f: statistics.median(getattr(r, f) for r in results) for f in fields}
+    return dataclasses.replace(results[0], **medians)
+
+
 def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -214,11 +221,16 @@ def run_benchmark(
     batch_size: int = 64,
     epochs: int = 2,
     profile: bool = False,
+    repeat: int = 1,
     printer=print,  # type: ignore[no-untyped-def]
 ) -> list[BenchResult]:
+    """Time every path in ``modes``, all of them ``repeat`` times in turn (so that a drift of
+    the machine's load hits every path alike); returns each path's median result."""
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ConfigError(f"--modes: unknown path(s) {unknown}; choose from {', '.join(MODES)}")
+    if repeat < 1:
+        raise ConfigError(f"--repeat: must be at least 1 (got {repeat})")
     dev = resolve_device(device)
     data = synthetic_federation(clients, samples, shape, classes).to(dev)
     models = HETERO if hetero else ["lenet"]
@@ -235,26 +247,41 @@ def run_benchmark(
         fast = "graphs" if dev.type == "cuda" else "loop"
         printer(f"profile of one {fast} round:")
         printer(profile_round(data, models, algorithm, dev, batch_size, epochs, fast))
+    runs: dict[str, list[BenchResult]] = {mode: [] for mode in modes}
+    for rep in range(repeat):
+        if repeat > 1:
+            printer(f"repetition {rep + 1} of {repeat}:")
+        for mode in modes:
+            GRAPH_STATS.update(captured=0, failed=0)
+            COMPILE_STATS.update(compiled=0, failed=0)
+            r = bench_mode(mode, data, models, rounds, algorithm, dev, batch_size, epochs)
+            runs[mode].append(r)
+            extra = ""
+            if mode == "graphs":
+                extra = (
+                    f" ({GRAPH_STATS['captured']} graphs captured, {GRAPH_STATS['failed']} failed)"
+                )
+            if mode == "compiled":
+                extra = f" ({COMPILE_STATS['compiled']} compiled, {COMPILE_STATS['failed']} failed)"
+            printer(f"  {mode:<9} {r.seconds_per_round:8.3f} s/round" + extra)
+    base_mode = "reference" if "reference" in runs else modes[0]
     results = []
-    for mode in modes:
-        GRAPH_STATS.update(captured=0, failed=0)
-        COMPILE_STATS.update(compiled=0, failed=0)
-        r = bench_mode(mode, data, models, rounds, algorithm, dev, batch_size, epochs)
-        results.append(r)
-        extra = ""
-        if mode == "graphs":
-            extra = f" ({GRAPH_STATS['captured']} graphs captured, {GRAPH_STATS['failed']} failed)"
-        if mode == "compiled":
-            extra = f" ({COMPILE_STATS['compiled']} compiled, {COMPILE_STATS['failed']} failed)"
-        printer(f"  {mode:<9} {r.seconds_per_round:8.3f} s/round" + extra)
-    base = next((r for r in results if r.mode == "reference"), results[0])
     printer("")
-    printer("| path | s/round | speed-up vs reference | 500 rounds | peak memory (MB) |")
+    spread = " (range over repetitions)" if repeat > 1 else ""
+    printer(f"| path | s/round | speed-up vs reference{spread} | 500 rounds | peak memory (MB) |")
     printer("|---|---|---|---|---|")
-    for r in results:
+    for mode, rs in runs.items():
+        # each repetition's ratio against the reference of the same repetition, then medians
+        ratios = sorted(
+            b.seconds_per_round / r.seconds_per_round for b, r in zip(runs[base_mode], rs)
+        )
+        r = _median_result(rs)
+        results.append(r)
+        ratio = f"{statistics.median(ratios):.2f}x"
+        if repeat > 1:
+            ratio += f" ({ratios[0]:.2f}-{ratios[-1]:.2f}x)"
         printer(
-            f"| {r.mode} | {r.seconds_per_round:.3f} | "
-            f"{base.seconds_per_round / r.seconds_per_round:.2f}x | "
+            f"| {mode} | {r.seconds_per_round:.3f} | {ratio} | "
             f"{500 * r.seconds_per_round / 60:.1f} min | {r.peak_memory_mb:.0f} |"
         )
     if dev.type == "cpu":

@@ -449,6 +449,12 @@ def bench(
         bool, typer.Option(help="LeNet, VGG8, ResNet-10/12/18 spread evenly.")
     ] = False,
     rounds: Annotated[int, typer.Option(help="Timed rounds per path (after one warm-up).")] = 2,
+    repeat: Annotated[
+        int,
+        typer.Option(
+            help="Time every path this many times in turn; medians and the ratio's range."
+        ),
+    ] = 1,
     modes: Annotated[
         str,
         typer.Option(
@@ -502,6 +508,7 @@ def bench(
             batch_size=batch_size,
             epochs=epochs,
             profile=profile,
+            repeat=repeat,
             printer=printer,
         )
     except HyperfedError as e:

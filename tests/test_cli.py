@@ -303,6 +303,39 @@ def test_bench_times_every_path_and_prints_the_ratio_table():
     assert rows[1].split("|")[3].strip() == "1.00x"  # the reference against itself
 
 
+def test_bench_repeat_pairs_each_repetition_with_its_own_reference(monkeypatch):
+    """--repeat N: each path's s/round is the median over repetitions, its ratio the median of
+    the per-repetition ratios against that repetition's reference, with their range."""
+    import hyperfed.bench as bench_module
+
+    times = {"reference": iter([2.0, 4.0, 3.0]), "loop": iter([1.0, 1.0, 3.0])}
+
+    def fake_bench_mode(mode, *args, **kwargs):
+        t = next(times[mode])
+        return bench_module.BenchResult(mode, t, t, 0.0, 1.0)
+
+    monkeypatch.setattr(bench_module, "bench_mode", fake_bench_mode)
+    small = ["--clients", "2", "--samples", "40", "--shape", "1,8,8", "--classes", "3"]
+    result = invoke(
+        "bench", *small, "--device", "cpu", "--modes", "reference,loop", "--repeat", "3"
+    )
+    assert result.exit_code == 0, result.output
+    assert "repetition 3 of 3" in result.output
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:4]]
+        for line in result.output.splitlines()
+        if line.startswith("| ") and not line.startswith("| path")
+    }
+    # ratios per repetition: 2/1, 4/1, 3/3 -> median 2, range 1-4 (not median 3 / median 1)
+    assert rows["loop"] == ["1.000", "2.00x (1.00-4.00x)"]
+    assert rows["reference"] == ["3.000", "1.00x (1.00-1.00x)"]
+
+
+def test_bench_repeat_below_one_is_a_one_line_error():
+    result = invoke("bench", "--repeat", "0", "--device", "cpu")
+    _assert_one_line_error(result, "--repeat", "at least 1")
+
+
 def test_bench_unknown_path_is_a_one_line_error():
     result = invoke("bench", "--modes", "reference,warp", "--device", "cpu")
     _assert_one_line_error(result, "warp", "loop-nchw")
