@@ -420,3 +420,62 @@ def test_per_parameter_loop_equals_the_flat_vector_loop(name, momentum, weight_d
         for a, b in zip(leaves, flat):
             assert torch.allclose(a, b, atol=1e-10, rtol=1e-9), (nhwc, (a - b).abs().max())
     assert not torch.allclose(leaves[0], theta)
+
+
+@pytest.mark.parametrize("which", ["distillation", "prototypes", "logits"])
+def test_marked_losses_train_per_parameter_like_the_flat_vector_loop(
+    which, digits_data, monkeypatch
+):
+    """Losses marked per_parameter with per-client extras (MH-pFedHNGD's teacher, FedProto's
+    prototypes, FD's global logits) take the per-parameter loop and agree with the flat loop to 1e-10 (float64);
+    the same loss unmarked takes the flat loop."""
+    from functools import partial
+
+    from hyperfed.algorithms.fd import fd_loss
+    from hyperfed.algorithms.fedproto import proto_loss
+    from hyperfed.algorithms.mh_pfedhn import distillation_loss
+    from hyperfed.engine import local
+
+    data = dataclasses.replace(digits_data.to(DEVICE), dtype=torch.float64)
+    fm, theta, buffers, plan, sgd = _setup("lenet", data, [0, 1], torch.float64)
+    torch.manual_seed(1)
+    if which == "distillation":
+        teacher = FunctionalModel(build_model("lenet", data.input_shape, 10).double())
+        loss = partial(
+            distillation_loss, teacher=teacher, ce_weight=0.3, kl_weight=0.7, temperature=2.0
+        )
+        t0 = teacher.initial_params()
+        ctx = {"teacher": torch.stack([t0, t0.flip(0)]), "teacher_buffers": torch.zeros(2, 0)}
+    elif which == "logits":
+        loss = partial(fd_loss, kd_weight=0.5, temperature=2.0)
+        ctx = {
+            "global_logits": torch.randn(2, 10, 10, dtype=torch.float64),
+            "global_mask": (torch.arange(10) % 3 > 0).double().expand(2, 10).clone(),
+        }
+    else:
+        loss = partial(proto_loss, lam=0.5)
+        x0 = data.batch(plan.idx[0, 0])[0]
+        dim = fm.forward(theta[0], buffers[0], x0, return_features=True)[0].shape[-1]
+        ctx = {
+            "protos": torch.randn(2, 10, dim, dtype=torch.float64),
+            "proto_mask": (torch.arange(10) % 2).double().expand(2, 10).clone(),
+        }
+    used = []
+    leaf_loop = local._leaf_sgd_loop
+    monkeypatch.setattr(local, "_leaf_sgd_loop", lambda *a: used.append(1) or leaf_loop(*a))
+
+    def unmarked(*args, **kwargs):
+        return loss(*args, **kwargs)
+
+    with channels_last(True):
+        leaves = train_clients(
+            fm, theta, buffers, data, plan, sgd, loss_fn=loss, ctx=ctx, vectorize=False
+        )
+        assert len(used) == 2, "one per-parameter loop per client"
+        flat = train_clients(
+            fm, theta, buffers, data, plan, sgd, loss_fn=unmarked, ctx=ctx, vectorize=False
+        )
+        assert len(used) == 2, "an unmarked loss takes the flat-vector loop"
+    for a, b in zip(leaves, flat):
+        assert torch.allclose(a, b, atol=1e-10, rtol=1e-9), (a - b).abs().max()
+    assert not torch.allclose(leaves[0], theta)

@@ -36,7 +36,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.fedproto import ClassStatsClient
 from hyperfed.algorithms.local_settings import SEED002
-from hyperfed.engine.local import LossFn
+from hyperfed.engine.local import LossFn, per_parameter
 from hyperfed.engine.losses import (
     check_class_payload,
     class_sums,
@@ -61,6 +61,7 @@ class FDParams:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
 
+@per_parameter
 def fd_loss(
     fm: FunctionalModel,
     theta: Tensor,

@@ -44,7 +44,7 @@ from hyperfed.algorithms.base import (
     shared_join_value,
 )
 from hyperfed.algorithms.local_settings import SEED002
-from hyperfed.engine.local import LossFn
+from hyperfed.engine.local import LossFn, per_parameter
 from hyperfed.engine.losses import check_class_payload, class_means, class_sums, pack_classes
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
@@ -63,6 +63,7 @@ class FedProtoParams:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
 
 
+@per_parameter
 def proto_loss(
     fm: FunctionalModel,
     theta: Tensor,

@@ -106,7 +106,7 @@ from hyperfed.algorithms.base import (
     paper,
 )
 from hyperfed.algorithms.local_settings import SEED000
-from hyperfed.engine.local import LossFn, cross_entropy_loss
+from hyperfed.engine.local import LossFn, cross_entropy_loss, per_parameter
 from hyperfed.engine.losses import kd_loss
 from hyperfed.engine.optim import adam
 from hyperfed.errors import ConfigError
@@ -403,6 +403,7 @@ class MHPFedHNServer(Server):
 
 
 # -- client -----------------------------------------------------------------------------------
+@per_parameter
 def distillation_loss(
     fm: FunctionalModel,
     theta: Tensor,

@@ -20,8 +20,9 @@ masks from the process's stream (``randomness="different"``).
 
 Execution paths: the vmapped step (GPU default), the same step client after client with
 plain autograd (CPU default; with channels-last activations inside
-:func:`hyperfed.models.layout.channels_last`; the plain cross-entropy loss there trains each
-parameter as its own leaf with torch's fused SGD kernel, other losses one flat leaf), each
+:func:`hyperfed.models.layout.channels_last`; a loss marked :func:`per_parameter` there
+trains each parameter as its own leaf with torch's fused SGD kernel, other losses one flat
+leaf), each
 vmapped step replayed as a CUDA graph (``cuda_graphs``), and :func:`train_reference`.
 :class:`FlopMeter` measures what any of them trains.
 """
@@ -242,6 +243,24 @@ def client_rng(fm: FunctionalModel, plan: BatchPlan) -> Iterator[None]:
 _DROPOUT_SALT = 0x5EED_D80F  # the masks' stream differs from the batch shuffles' stream
 
 
+L = TypeVar("L", bound=Callable)
+
+
+def per_parameter(loss: L) -> L:
+    """Mark a loss that reads ``theta`` only through ``fm.forward`` / ``fm.forward_train``:
+    the client loop may then hand it per-parameter leaves instead of one flat vector
+    (:func:`_leaf_sgd_loop`). A loss that slices, adds or compares ``theta`` itself (a
+    proximal term, two models in one vector) must stay unmarked."""
+    loss.per_parameter = True  # type: ignore[attr-defined]
+    return loss
+
+
+def takes_per_parameter(loss_fn: Callable) -> bool:
+    """Whether ``loss_fn`` (or the function a ``functools.partial`` wraps) is marked."""
+    return bool(getattr(getattr(loss_fn, "func", loss_fn), "per_parameter", False))
+
+
+@per_parameter
 def cross_entropy_loss(
     fm: FunctionalModel, theta: Params, buffers: Tensor, x: Tensor, y: Tensor, ctx: dict
 ) -> tuple[Tensor, Tensor]:
@@ -290,9 +309,10 @@ def train_clients(
         step = vmap(grad_and_value(step_loss, has_aux=True), randomness="different")
         return _sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
     outs = []
-    # the plain loss of a whole parameter vector trains on per-parameter leaves (one fused
-    # SGD kernel a step, no flat gradient to gather); other losses may read theta itself
-    leaves = plain and mask is None and run_loss is loss_fn
+    # a loss marked per_parameter trains on per-parameter leaves (one fused SGD kernel a
+    # step, no flat gradient to gather); other losses may read theta itself
+    leaves = takes_per_parameter(loss_fn) and run_loss is loss_fn
+    leaves = leaves and mask is None and not step_ctx
     for c in range(theta.shape[0]):
         sub = client_plan(plan, c)
         m = mask if mask is None or mask.dim() == 1 else mask[c : c + 1]
@@ -300,7 +320,8 @@ def train_clients(
         sx = {k: v[: sub.steps, c : c + 1] for k, v in step_ctx.items()}
         with client_rng(fm, sub):
             if leaves:
-                outs.append(_leaf_sgd_loop(fm, theta[c], buffers[c], data, sub, sgd))
+                one = {k: v[0] for k, v in cx.items()}
+                outs.append(_leaf_sgd_loop(fm, theta[c], buffers[c], data, sub, sgd, loss_fn, one))
                 continue
             outs.append(
                 _sgd_loop(
@@ -404,9 +425,11 @@ def _leaf_sgd_loop(
     data: FederatedData,
     plan: BatchPlan,
     sgd: SGDConfig,
+    loss_fn: Callable[..., tuple] = cross_entropy_loss,  # given a tuple of leaves as theta
+    ctx: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One client's local SGD on :func:`cross_entropy_loss` (a one-client ``plan``), each
-    parameter its own autograd leaf: a view into a copy of the client's flat vector, updated
+    """One client's local SGD (a one-client ``plan``, its ``ctx`` without a client axis) on
+    a loss marked :func:`per_parameter`, each parameter its own autograd leaf: a view into a copy of the client's flat vector, updated
     in place by torch's fused SGD kernel (``torch.optim.SGD(fused=True)``'s: the same step as
     :func:`_sgd_update_`, in one pass). The flat gradient is never gathered: on a 2-core CPU,
     a LeNet step on 10 images took 2.70-2.76 ms against 2.90-2.96 ms through one flat leaf
@@ -420,7 +443,7 @@ def _leaf_sgd_loop(
     with torch.enable_grad():
         for idx in plan.idx[:, 0].unbind(0):
             x, y = data.batch(idx)
-            loss, new_buffers = cross_entropy_loss(fm, params, buffers, x, y, {})
+            loss, new_buffers = loss_fn(fm, params, buffers, x, y, ctx or {})
             grads = torch.autograd.grad(loss, params)
             torch._fused_sgd_(  # on the views (no autograd); it walks raw memory, so a
                 views,  # channels-last weight gradient is made contiguous like its parameter
