@@ -425,8 +425,8 @@ def _leaf_sgd_loop(
     data: FederatedData,
     plan: BatchPlan,
     sgd: SGDConfig,
-    loss_fn: Callable[..., tuple] = cross_entropy_loss,  # given a tuple of leaves as theta
-    ctx: dict[str, Tensor] | None = None,
+    loss_fn: Callable[..., tuple],  # given a tuple of leaves as theta
+    ctx: dict[str, Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One client's local SGD (a one-client ``plan``, its ``ctx`` without a client axis) on
     a loss marked :func:`per_parameter`, each parameter its own autograd leaf: a view into a copy of the client's flat vector, updated
@@ -443,7 +443,7 @@ def _leaf_sgd_loop(
     with torch.enable_grad():
         for idx in plan.idx[:, 0].unbind(0):
             x, y = data.batch(idx)
-            loss, new_buffers = loss_fn(fm, params, buffers, x, y, ctx or {})
+            loss, new_buffers = loss_fn(fm, params, buffers, x, y, ctx)
             grads = torch.autograd.grad(loss, params)
             torch._fused_sgd_(  # on the views (no autograd); it walks raw memory, so a
                 views,  # channels-last weight gradient is made contiguous like its parameter
