@@ -185,13 +185,14 @@ def _list_table(what: ListWhat, input_shape: str, classes: int) -> None:
         table.add_column("name")
         table.add_column("description")
         table.add_column("hyperparameters (defaults)")
+        table.add_column("follows")
         for name, alg in sorted(registry().items()):
             sources = hparam_sources(alg.hparams)
             hp = ", ".join(
                 f"{k}={v} [{mark[sources[k].split()[0]]}]"
                 for k, v in hparam_fields(alg.hparams).items()
             )
-            table.add_row(name, alg.summary, hp or "-")
+            table.add_row(name, alg.summary, hp or "-", alg.reference or "the paper")
     elif what is ListWhat.models:
         from hyperfed.models.zoo import (
             ModelInputError,

@@ -396,6 +396,9 @@ class Algorithm:
     homogeneous_only: bool = False
     local_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     kind: str = "centralized"  # or "decentralized"
+    # which reference implementation the defaults and mechanics follow where the paper is
+    # silent or its codes disagree (e.g. "authors' code (NVlabs/FedFomo)", "PFLlib", "HtFLlib")
+    reference: str = ""
 
 
 def hparam_fields(cls: type) -> dict[str, Any]:
