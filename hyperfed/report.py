@@ -7,6 +7,7 @@ round is reported beside it, labelled as such, never instead (DESIGN).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,48 @@ def run_algorithm(path: str | Path) -> str:
     return str(tomllib.loads(config.read_text()).get("algorithm", {}).get("name", ""))
 
 
+# A run has plateaued when the mean accuracy over its last window of rounds (10% of its rounds,
+# at least one evaluation interval) is less than PLATEAU_POINTS above the window before.
+PLATEAU_WINDOW = 0.1
+PLATEAU_POINTS = 0.5
+
+
+# The metric and the two per-row labels, defined once (report.md, reproduce.md, README).
+METRIC_NOTE = (
+    "Mean acc (final) is the mean over all clients of each client's test accuracy on its own "
+    "test split at the last evaluated round (weighted: the same, weighted by test samples); "
+    "best is the best evaluated round, chosen on the validation split where the clients hold "
+    "one (`by val`). *scores* is the model each method's evaluation scores: global (one "
+    "global model), personalized (each client's own model) or local (each client's model "
+    "after its latest local training). *plateau*: the mean accuracy over the last 10% of "
+    f"rounds rose by less than {PLATEAU_POINTS} points over the 10% before; a row marked "
+    "not converged (with that rise) is not ranked."
+)
+
+
+def plateau_gain(records: list[dict[str, Any]], window: float = PLATEAU_WINDOW) -> float | None:
+    """Mean accuracy (points) of the last window of rounds minus that of the window before,
+    each window ``window`` of the run's rounds but at least one evaluation interval; None when
+    the run has too few evaluated rounds to tell (fewer than two windows)."""
+    rounds = [int(r["round"]) for r in records]
+    if len(rounds) < 2:
+        return None
+    last = rounds[-1]
+    width = max(math.ceil(window * last), rounds[-1] - rounds[-2])
+    now = [100 * r["mean_acc"] for r, x in zip(records, rounds) if x > last - width]
+    before = [
+        100 * r["mean_acc"] for r, x in zip(records, rounds) if last - 2 * width < x <= last - width
+    ]
+    if not now or not before:
+        return None
+    return sum(now) / len(now) - sum(before) / len(before)
+
+
+def plateaued(gain: float | None, points: float = PLATEAU_POINTS) -> bool:
+    """Whether a run whose last-window gain is ``gain`` counts as converged."""
+    return gain is not None and gain < points
+
+
 def run_summary(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     records = read_metrics(path)
@@ -53,6 +96,7 @@ def run_summary(path: str | Path) -> dict[str, Any]:
     best_by = "val" if all(r.get("val_mean_acc") is not None for r in records) else "test"
     best = max(records, key=lambda r: r["val_mean_acc" if best_by == "val" else "mean_acc"])
     rounds = max(1, final["round"])
+    gain = plateau_gain(records)
     return {
         "run": path.name,
         "path": str(path),
@@ -60,6 +104,11 @@ def run_summary(path: str | Path) -> dict[str, Any]:
         "dataset": cfg.get("dataset", {}).get("name", "?"),
         "clients": final.get("num_clients"),
         "round": final["round"],
+        # which model the evaluation scored (algorithms.base.SCORED_MODELS); "?" for runs
+        # recorded before records carried it
+        "scores": final.get("scores", "?"),
+        "last_window_gain": gain,
+        "converged": plateaued(gain),
         "final_mean_acc": final["mean_acc"],
         "final_weighted_acc": final["weighted_acc"],
         "min_acc": final["min_acc"],
@@ -89,9 +138,18 @@ def rounds_to_reach(records: list[dict[str, Any]], target: float) -> int | None:
     return None if r is None else int(r["round"])
 
 
+def plateau_cell(s: dict[str, Any]) -> str:
+    """ "yes", or "not converged (+g)" with the last window's gain in points."""
+    gain = s.get("last_window_gain")
+    if gain is None:
+        return "too few evaluations"
+    return "yes" if s.get("converged") else f"not converged ({gain:+.2f})"
+
+
 def markdown_table(summaries: list[dict[str, Any]], target: float | None = None) -> str:
     head = (
-        "| run | algorithm | dataset | clients | round | mean acc (final) | weighted | min | max "
+        "| run | algorithm | scores | plateau | dataset | clients | round | mean acc (final) "
+        "| weighted | min | max "
         "| std | best mean acc (round) | upload MB/client/round | upload MB total | GFLOPs/round "
         "(clients) | GFLOPs/round (server) |"
     )
@@ -100,7 +158,8 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         row = (
-            f"| {s['run']} | {s['algorithm']} | {s['dataset']} | {s['clients']} | {s['round']} "
+            f"| {s['run']} | {s['algorithm']} | {s['scores']} | {plateau_cell(s)} "
+            f"| {s['dataset']} | {s['clients']} | {s['round']} "
             f"| {s['final_mean_acc']:.4f} | {s['final_weighted_acc']:.4f} | {s['min_acc']:.4f} "
             f"| {s['max_acc']:.4f} | {s['std_acc']:.4f} | {s['best_mean_acc']:.4f} "
             f"({s['best_round']}{', by val' if s.get('best_by') == 'val' else ''}) | {s['up_mb_per_client_round']:.4f} | {s['up_mb_total']:.2f} "
@@ -158,7 +217,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 def seed_table(groups: list[dict[str, Any]]) -> str:
     """Mean ± std over seeds (population std; n runs) of each group's final figures."""
     head = (
-        "| setting | n (seeds) | mean acc (final) | weighted acc | best mean acc | "
+        "| setting | scores | plateau (all seeds) | n (seeds) | mean acc (final) | weighted acc "
+        "| best mean acc | "
         "upload MB total | GFLOPs/round (clients) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -178,8 +238,11 @@ def seed_table(groups: list[dict[str, Any]]) -> str:
         best_by = {r.get("best_by") for r in runs}
         if best_by == {"val"}:
             cells[2] += " (val-chosen)"
+        scored = "/".join(sorted({str(r.get("scores", "?")) for r in runs}))
+        stalled = [r for r in runs if not r.get("converged")]
+        plateau = "yes" if not stalled else f"not converged ({len(stalled)} of {len(runs)})"
         lines.append(
-            f"| {g['label']} | {len(runs)} ({', '.join(map(str, seeds))}) | "
+            f"| {g['label']} | {scored} | {plateau} | {len(runs)} ({', '.join(map(str, seeds))}) | "
             + " | ".join(cells)
             + " |"
         )
@@ -350,9 +413,7 @@ def write_report(
         text += "## Over seeds\n\n" + seed_table(groups) + "\n"
         text += "Mean ± std (population) over the runs that differ only by seed.\n\n## Runs\n\n"
     text += markdown_table(summaries, target) + "\n"
-    text += "Mean acc (final) is the mean over all clients of each client's personalized model on "
-    text += "its own test split at the last evaluated round; best is the best evaluated round, "
-    text += "chosen on the validation split where the clients hold one (`by val`).\n\n"
+    text += METRIC_NOTE + "\n\n"
     text += "".join(f"![{p.stem}]({p.name})\n" for p in plots)
     report = out / "report.md"
     report.write_text(text)

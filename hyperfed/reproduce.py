@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hyperfed.errors import HyperfedError
+from hyperfed.report import METRIC_NOTE
 
 if TYPE_CHECKING:
     from hyperfed.sweep import SweepPoint
@@ -291,13 +292,15 @@ def compare(
 ) -> dict[str, Any]:
     """Our mean ± std per method (final mean accuracy, %) and each claimed ordering checked;
     runs of methods outside ``methods`` (``--methods``) are left out, as "not run"."""
-    by_method: dict[str, list[float]] = {}
+    by_method: dict[str, list[dict[str, Any]]] = {}
     for s in summaries:
         if methods is None or s["algorithm"] in methods:
-            by_method.setdefault(s["algorithm"], []).append(100 * float(s["final_mean_acc"]))
+            by_method.setdefault(s["algorithm"], []).append(s)
     rows: list[dict[str, Any]] = []
     for m in target.methods:
-        accs = by_method.get(m, [])
+        runs = by_method.get(m, [])
+        accs = [100 * float(s["final_mean_acc"]) for s in runs]
+        gains = [s.get("last_window_gain") for s in runs]
         rows.append(
             {
                 "method": m,
@@ -305,15 +308,24 @@ def compare(
                 "mean": statistics.fmean(accs) if accs else None,
                 "std": statistics.pstdev(accs) if len(accs) > 1 else 0.0 if accs else None,
                 "paper": target.paper.get(m),
+                "scores": "/".join(sorted({str(s.get("scores", "?")) for s in runs})) or "—",
+                # a row is converged only when every seed plateaued (report.plateaued)
+                "converged": bool(runs) and all(s.get("converged") for s in runs),
+                "gain": statistics.fmean(g for g in gains if g is not None)
+                if any(g is not None for g in gains)
+                else None,
             }
         )
-    mean: dict[str, float] = {r["method"]: r["mean"] for r in rows if r["mean"] is not None}
+    by_name = {r["method"]: r for r in rows if r["mean"] is not None}
     checks = []
     for a, b in target.claims():
-        if a not in mean or b not in mean:
+        if a not in by_name or b not in by_name:
             verdict = "not run"
+        elif stalled := [m for m in (a, b) if not by_name[m]["converged"]]:
+            # a ranking counts only between rows that converged in the rounds given
+            verdict = "not converged: " + ", ".join(stalled)
         else:
-            verdict = "holds" if mean[a] > mean[b] else "does not hold"
+            verdict = "holds" if by_name[a]["mean"] > by_name[b]["mean"] else "does not hold"
         checks.append({"claim": f"{a} > {b}", "verdict": verdict})
     return {"rows": rows, "checks": checks}
 
@@ -323,17 +335,31 @@ def markdown(target: Target, result: dict[str, Any], seeds: list[int]) -> str:
         f"## {target.key}: {target.title}\n",
         f"Ours: final mean accuracy (%), mean ± std over seeds {seeds}; paper: {target.paper_ref}.",
         "",
-        "| method | ours | n | paper |",
-        "|---|---|---|---|",
+        "| method | scores | ours | plateau | n | paper |",
+        "|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         ours = "not run" if r["mean"] is None else f"{r['mean']:.2f} ± {r['std']:.2f}"
         paper = "—" if r["paper"] is None else f"{r['paper']:.2f}"
-        lines.append(f"| {r['method']} | {ours} | {r['n']} | {paper} |")
+        if r["mean"] is None:
+            plateau = "—"
+        elif r["converged"]:
+            plateau = "yes"
+        else:
+            gain = "" if r["gain"] is None else f" ({r['gain']:+.2f} pts in the last window)"
+            plateau = f"not converged{gain}"
+        lines.append(f"| {r['method']} | {r['scores']} | {ours} | {plateau} | {r['n']} | {paper} |")
     held = sum(c["verdict"] == "holds" for c in result["checks"])
-    lines += ["", f"Orderings the paper claims: {held} of {len(result['checks'])} hold here.", ""]
+    judged = sum(c["verdict"] in ("holds", "does not hold") for c in result["checks"])
+    lines += [
+        "",
+        f"Orderings the paper claims: {held} of {len(result['checks'])} hold here "
+        f"({judged} judged between converged rows).",
+        "",
+    ]
     lines += ["| the paper reports | here |", "|---|---|"]
     lines += [f"| {c['claim']} | {c['verdict']} |" for c in result["checks"]]
+    lines += ["", METRIC_NOTE]
     if target.missing:
         lines += ["", f"Not run: {target.missing}."]
     return "\n".join(lines) + "\n"

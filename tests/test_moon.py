@@ -4,7 +4,7 @@ Eq. 3: client i trains the received global model w^t on ``l_sup + mu * l_con``;
 Eq. 2: ``l_con = -log(e^{cos(z, z_glob)/tau} / (e^{cos(z, z_glob)/tau} + e^{cos(z, z_prev)/tau}))``
 with z the representation (here the classifier's input, the MLP's ReLU layer) of the model in
 training, of the global model and of the client's previous-round model. The server averages
-the trained models with weights n_i (FedAvg). Seed 001 evaluates MOON's trained local model.
+the trained models with weights n_i (FedAvg). MOON's paper and code score the global model.
 
 Model: z = relu(x W1^T + b1), logits = z W2^T + b2; ``theta = [W1, b1, W2, b2]``.
 """
@@ -168,7 +168,7 @@ def test_server_averages_trained_models_with_sample_weights() -> None:
 
 @pytest.mark.parametrize("evaluate", ["local", "global"])
 def test_evaluated_model(evaluate: str) -> None:
-    """PM@Acc (seed 001): each client's trained model w_i; ``global``: the global model."""
+    """``local``: each client's trained model w_i; ``global``: the global model."""
     fm, data = tiny_mlp(D, H, C), _data()
     hp = MoonParams(evaluate=evaluate)
     server = _server(fm, hp, {0: 4, 1: 4})
@@ -184,3 +184,23 @@ def test_evaluated_model(evaluate: str) -> None:
         assert torch.equal(theta, state["theta_prev"])
     else:
         assert torch.equal(theta, glob.expand(2, -1))
+
+
+def test_default_scores_the_global_model_as_the_moon_paper_does() -> None:
+    """MOON §4 and its code test the aggregated global model; the default must score it (and
+    say so in every metrics record), not the locally trained models."""
+    from hyperfed.algorithms.moon import ALGORITHM
+
+    hp = MoonParams()
+    assert ALGORITHM.scored_model(hp) == "global"
+    assert ALGORITHM.scored_model(MoonParams(evaluate="local")) == "local"
+    fm, data = tiny_mlp(D, H, C), _data()
+    server = _server(fm, hp, {0: 4, 1: 4})
+    glob = torch.full((fm.num_params,), 0.5, dtype=torch.float64)
+    server.aggregate(1, {0: {"theta": glob}, 1: {"theta": glob}})
+    client = _client(hp)
+    state = client.init_state(fm, 2)
+    state["theta_prev"] = torch.stack([glob - 1, glob + 1])
+    msgs = server.configure_eval([0, 1])
+    theta, _ = client.eval_model(_group(fm, data), stack_payloads([msgs[0], msgs[1]]), state)
+    assert torch.equal(theta, glob.expand(2, -1))

@@ -22,8 +22,16 @@ TOY = Target(
 )
 
 
-def _summary(method: str, acc: float) -> dict[str, object]:
-    return {"algorithm": method, "final_mean_acc": acc}
+def _summary(
+    method: str, acc: float, converged: bool = True, gain: float = 0.1
+) -> dict[str, object]:
+    return {
+        "algorithm": method,
+        "final_mean_acc": acc,
+        "scores": "global" if method == "a" else "personalized",
+        "converged": converged,
+        "last_window_gain": gain,
+    }
 
 
 def test_claims_are_the_orderings_the_papers_numbers_show() -> None:
@@ -43,7 +51,41 @@ def test_each_claim_is_judged_on_our_mean_over_seeds() -> None:
     runs[1] = _summary("a", 0.62)  # a's mean 61 < 64
     assert compare(TOY, runs)["checks"][0]["verdict"] == "holds"
     text = markdown(TOY, compare(TOY, runs), [0, 1])
-    assert "| a | 61.00 ± 1.00 | 2 | 50.00 |" in text and "| b | not run | 0 | 70.00 |" in text
+    assert "| a | global | 61.00 ± 1.00 | yes | 2 | 50.00 |" in text
+    assert "| b | — | not run | — | 0 | 70.00 |" in text
+
+
+def test_a_row_that_has_not_plateaued_is_not_ranked() -> None:
+    """One seed of c still rising by 2 points per window: c's row is "not converged" and no
+    ordering with c is judged, whatever the means say."""
+    runs = [_summary("a", 0.60), _summary("c", 0.70), _summary("c", 0.72, False, 2.0)]
+    result = compare(TOY, runs)
+    c = next(r for r in result["rows"] if r["method"] == "c")
+    assert not c["converged"] and c["gain"] == pytest.approx(1.05)
+    assert result["checks"] == [{"claim": "c > a", "verdict": "not converged: c"}]
+    text = markdown(TOY, result, [0, 1])
+    assert (
+        "| c | personalized | 71.00 ± 1.00 | not converged (+1.05 pts in the last window)" in text
+    )
+    assert "0 of 1 hold here (0 judged between converged rows)" in text
+
+
+def test_plateau_is_the_last_tenth_of_rounds_against_the_tenth_before() -> None:
+    from hyperfed.report import plateau_gain, plateaued
+
+    # 100 rounds evaluated every 5: windows of 10 rounds = rounds 95, 100 vs 85, 90
+    accs = {85: 0.50, 90: 0.52, 95: 0.53, 100: 0.55}
+    records = [{"round": r, "mean_acc": accs.get(r, 0.1)} for r in range(5, 101, 5)]
+    gain = plateau_gain(records)
+    assert gain == pytest.approx(100 * ((0.53 + 0.55) / 2 - (0.50 + 0.52) / 2))  # 3 points
+    assert not plateaued(gain)
+    accs.update({95: 0.512, 100: 0.512})  # +0.2 points: a plateau
+    records = [{"round": r, "mean_acc": accs.get(r, 0.1)} for r in range(5, 101, 5)]
+    assert plateaued(plateau_gain(records))
+    # 30 rounds evaluated every 5: a window is one evaluation interval (round 30 vs 25)
+    short = [{"round": r, "mean_acc": 0.01 * r} for r in range(5, 31, 5)]
+    assert plateau_gain(short) == pytest.approx(5.0)
+    assert plateau_gain(short[:1]) is None and not plateaued(None)
 
 
 def test_every_target_names_registered_methods_and_an_existing_config() -> None:

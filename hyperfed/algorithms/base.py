@@ -21,6 +21,7 @@ Decentralized algorithms replace the server by ``Client.mix`` over a mixing matr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,8 @@ from hyperfed.hparams import paper as paper
 from hyperfed.models.layout import FunctionalModel
 
 Payload = dict[str, Tensor]
+# the setup stage of the exchange run before every evaluation (Server.configure_eval_request)
+EVAL_REQUEST = -1
 
 
 def payload_bytes(payload: Payload) -> int:
@@ -213,6 +216,15 @@ class Server:
     def configure_setup(self, stage: int, client_ids: list[int]) -> dict[int, Payload]:
         """Payloads of one-off setup exchange ``stage`` (0, 1, ...) before round 1; an empty
         dict ends the setup. Default: no setup phase."""
+        return {}
+
+    def configure_eval_request(self, client_ids: list[int]) -> dict[int, Payload]:
+        """Payloads of an exchange run before every evaluation, for a method whose evaluated
+        model needs something the clients compute now (PeFLL: a descriptor from the current
+        embedding network). Clients answer in ``Client.setup`` at stage :data:`EVAL_REQUEST`;
+        replies pass ``check_setup_reply`` and reach ``aggregate_setup`` with that stage, then
+        ``configure_eval`` is asked. Not counted in the run's bytes, like the evaluation's own
+        messages. Default: no such exchange."""
         return {}
 
     def check_setup_reply(self, stage: int, client_id: int, reply: Payload) -> str | None:
@@ -384,6 +396,16 @@ class PersonalModelClient(Client):
         return state["theta"], state["buffers"]
 
 
+# What a method's evaluation scores on each client's own test split (``Algorithm.scores``): every
+# metrics record, summary and table names it per row, so rows scored differently are not ranked
+# as if they were the same measurement. (README "Metrics" defines the accuracy itself.)
+SCORED_MODELS = {
+    "global": "one global model (one per architecture) on every client's test split",
+    "personalized": "each client's own personalized model (personal parts, generated or mixed)",
+    "local": "each client's model after its latest local training from the global model",
+}
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """Registry entry: what `hyperfed list algorithms` shows and the simulator builds."""
@@ -399,6 +421,16 @@ class Algorithm:
     # which reference implementation the defaults and mechanics follow where the paper is
     # silent or its codes disagree (e.g. "authors' code (NVlabs/FedFomo)", "PFLlib", "HtFLlib")
     reference: str = ""
+    # which model its evaluation scores (a key of SCORED_MODELS), or a function of the
+    # hyperparameters for a method whose ``evaluate`` option switches it
+    scores: str | Callable[[Any], str] = "personalized"
+
+    def scored_model(self, hp: Any) -> str:
+        """The key of :data:`SCORED_MODELS` this method's evaluation scores under ``hp``."""
+        scored = self.scores(hp) if callable(self.scores) else self.scores
+        if scored not in SCORED_MODELS:
+            raise ValueError(f"{self.name}: scores={scored!r}; allowed: {', '.join(SCORED_MODELS)}")
+        return scored
 
 
 def hparam_fields(cls: type) -> dict[str, Any]:

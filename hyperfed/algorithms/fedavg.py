@@ -72,4 +72,5 @@ ALGORITHM = Algorithm(
     hparams=FedAvgParams,
     server=FedAvgServer,
     client=FedAvgClient,
+    scores="global",
 )

@@ -217,4 +217,5 @@ ALGORITHM = Algorithm(
     server=FedDMServer,
     client=FedDMClient,
     homogeneous_only=True,
+    scores="global",
 )

@@ -31,11 +31,16 @@ Choices the paper leaves open, or that hyperfed's setting forces:
   initial global model ``w^0`` (as pFedKT's Alg. 1 initializes it). In round 1 positive and
   negative are then the same model, ``l_con = log 2`` is a constant with no gradient, and the
   round is plain FedAvg (the paper's code does the same: its model pool is empty in round 1).
-* **Which model is evaluated** (``evaluate``). Seed 001 reports MOON's PM@Acc, "the test
-  accuracy of a local model PM after local training on its local test data" (§1, Fig. 1b;
-  §6.1 Metrics), so the default evaluates each client's trained model ``w_i`` (``w^0`` for a
-  client never sampled). ``evaluate="global"`` evaluates the global model, as the MOON paper
-  itself reports (it is a method for a better global model).
+* **Which model is evaluated** (``evaluate``). MOON is a method for a better *global* model:
+  its paper reports the global model's top-1 accuracy (§4, Table 1) and its code
+  (QinbinLi/MOON ``experiments.py``) tests ``global_model`` after aggregation, so the default
+  scores the global model on each client's test split. Seed 001's text agrees: it places
+  MOON with the global-model methods that "fail to improve" the personalized model (§1).
+  ``evaluate="local"`` scores each client's model after its latest local training ``w_i``
+  (``w^0`` for a client never sampled), the reading of seed 001's PM@Acc as "a local model
+  after local training"; on a digits probe the same training run scores 0.971 that way
+  against 0.577 for the global model, so the two must never share a table unlabeled
+  (every record says which: ``scores``).
 * **Heterogeneous clients.** MOON contrasts a model with versions of itself, so with a mix
   of architectures it runs one federation per architecture, as ``fedavg`` does.
 """
@@ -54,7 +59,6 @@ from hyperfed.algorithms.base import (
     ClientGroup,
     Payload,
     ServerContext,
-    chosen,
     paper,
 )
 from hyperfed.algorithms.fedavg import FedAvgServer
@@ -73,10 +77,10 @@ class MoonParams:
         1.0, "§4.1: tuned in {0.1, 1, 5, 10}; 1 for CIFAR-100 and Tiny-ImageNet, 5 for CIFAR-10"
     )
     temperature: float = paper(0.5, "§4.1")
-    evaluate: str = chosen(
-        "local",
-        "seed 001 §6.1 reports PM@Acc, the trained local model's accuracy; 'global' is the "
-        "MOON paper's own metric",
+    evaluate: str = paper(
+        "global",
+        "§4 / official code: the global model is tested; 'local' scores each client's "
+        "locally trained model (one reading of seed 001's PM@Acc)",
     )
 
     def __post_init__(self) -> None:
@@ -132,7 +136,8 @@ class MoonServer(FedAvgServer):
 
 class MoonClient(Client):
     """State per client: ``theta_prev`` (its model after its last local training, ``w_i^{t-1}``:
-    the negative of Eq. 2 and, by default, the evaluated model) and ``buffers``."""
+    the negative of Eq. 2, and the evaluated model under ``evaluate="local"``) and
+    ``buffers``."""
 
     hp: MoonParams
 
@@ -171,4 +176,6 @@ ALGORITHM = Algorithm(
     client=MoonClient,
     # seed 001 §6.1, the same for every method of its Table 1 (MOON's own §4.1: weight decay 1e-5)
     local_defaults=SEED001,
+    reference="paper + authors' code (QinbinLi/MOON): global model evaluated",
+    scores=lambda hp: "global" if hp.evaluate == "global" else "local",
 )

@@ -697,6 +697,7 @@ class Deployment:
             order=[c for members in self.groups.values() for c in members],
             groups=list(self.groups.values()),
             validate=cfg.partition.val_fraction > 0,
+            scores=self.algorithm.scored_model(cfg.hparams()),
             gossip=Gossip(cfg.hparams(), self.n, cfg.seed) if decentralized else None,
         )
         start = 0

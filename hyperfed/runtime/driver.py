@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hyperfed.algorithms.base import Payload, Server, payload_bytes
+from hyperfed.algorithms.base import EVAL_REQUEST, Payload, Server, payload_bytes
 from hyperfed.engine.local import measured_flops
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.rundir import RunDir
@@ -50,6 +50,7 @@ log = logging.getLogger("hyperfed")
 # ``setup`` / ``setup_seconds`` after a setup phase). README "Metrics" documents each.
 RECORD_KEYS = (
     "round",
+    "scores",
     "mean_acc",
     "weighted_acc",
     "min_acc",
@@ -184,8 +185,11 @@ class RoundDriver:
         gossip: Gossip | None = None,
         groups: list[list[int]] | None = None,
         validate: bool = False,
+        scores: str = "personalized",
     ) -> None:
         self.server = server
+        # which model the evaluation scores (algorithms.base.SCORED_MODELS), in every record
+        self.scores = scores
         self.transport = transport
         self.n = num_clients
         self.participation = participation
@@ -347,6 +351,7 @@ class RoundDriver:
         for members in self.groups:
             part = self._reachable(members)
             if part:
+                self._eval_request(part)
                 msgs.update(self.server.configure_eval(part))
         counts = self.transport.evaluate(msgs, split)
         acc = counts.correct / counts.total.clamp(min=1)
@@ -372,12 +377,27 @@ class RoundDriver:
             "eval_missing": [int(c) for c in torch.nonzero(~ok).reshape(-1)],
         }
 
+    def _eval_request(self, cids: list[int]) -> None:
+        """The method's exchange before evaluation (``Server.configure_eval_request``), if any:
+        a setup exchange at stage ``EVAL_REQUEST``, validated like one; bytes not counted."""
+        msgs = self.server.configure_eval_request(cids)
+        if not msgs:
+            return
+        got = self.transport.setup(EVAL_REQUEST, msgs)
+        accepted, _ = self._validate(
+            got.replies,
+            lambda c, r: self.server.check_setup_reply(EVAL_REQUEST, c, r),
+            "evaluation request",
+        )
+        self.server.aggregate_setup(EVAL_REQUEST, accepted)
+
     def record(self, rnd: int, result: RoundResult) -> dict[str, Any]:
         """The metrics record of an evaluated round (:data:`RECORD_KEYS`)."""
         n_part = max(1, len(result.clients))
         val = {"val_mean_acc": self.evaluate("val")["mean_acc"]} if self.validate else {}
         return {
             "round": rnd,
+            "scores": self.scores,
             **self.evaluate(),
             **val,
             "train_loss": result.train_loss,

@@ -338,6 +338,7 @@ class Simulation:
             gossip=self.gossip,
             groups=list(self.groups.values()),
             validate=cfg.partition.val_fraction > 0,
+            scores=self.algorithm.scored_model(self.hp),
         )
         self.bytes_join = sum(payload_bytes(p) for p in self.joins.values())
         self.driver.totals["bytes_up"] += self.bytes_join
