@@ -237,6 +237,41 @@ def _list_table(what: ListWhat, input_shape: str, classes: int) -> None:
 
 
 @app.command()
+def export(
+    format_: Annotated[
+        str, typer.Option("--format", help="pfllib, flbench or npz (docs/export.md).")
+    ],
+    out: Annotated[Path, typer.Option(help="Folder to write (must be empty unless --force).")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    force: Annotated[
+        bool, typer.Option(help="Write into a non-empty --out, replacing the export's files.")
+    ] = False,
+) -> None:
+    """Write the federation `hyperfed run` would train on (each client's exact train / val /
+    test samples) for PFLlib, FL-bench or hyperfed's npz reader."""
+    import torch
+
+    from hyperfed.config import load_config
+    from hyperfed.data.export import check_target, export_federation
+    from hyperfed.runtime.simulate import load_federation
+
+    try:
+        check_target(out, format_, force)  # before any work
+        cfg = load_config(config, set_ or [])
+        data = load_federation(cfg, torch.device("cpu"))
+        with Progress(
+            TextColumn("[bold blue]export"), MofNCompleteColumn(), BarColumn(), console=console
+        ) as progress:
+            task = progress.add_task("clients", total=data.num_clients)
+            tick = lambda done, total: progress.update(task, completed=done)  # noqa: E731
+            names = export_federation(data, out, format_, config=cfg, force=force, progress=tick)
+    except HyperfedError as e:
+        fail(str(e))
+    console.print(f"wrote {', '.join(names)} in {out}/ (README.txt says what is where)")
+
+
+@app.command()
 def schema() -> None:
     """Print the config's JSON schema (for editor completion of TOML / YAML config files)."""
     import json

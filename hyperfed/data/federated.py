@@ -17,6 +17,7 @@ from torch import Tensor
 
 from hyperfed.data.partition import (
     FLWR_PREFIX,
+    ClientSplit,
     PartitionError,
     client_label_counts,
     flwr_partition,
@@ -126,6 +127,22 @@ class FederatedData:
         )
 
 
+def fixed_splits(parts: list[np.ndarray], split: np.ndarray) -> list[ClientSplit]:
+    """Each client's train / val / test as ``split`` (0 / 1 / 2 per pooled sample) gives them,
+    in the order of ``parts`` (an npz written by ``hyperfed export``)."""
+    out = []
+    for i, part in enumerate(parts):
+        s = split[part]
+        cs = ClientSplit(train=part[s == 0], val=part[s == 1], test=part[s == 2])
+        if not cs.train.size or not cs.test.size:
+            raise PartitionError(
+                f"client {i}: the dataset's split array gives it {cs.train.size} train and "
+                f"{cs.test.size} test samples; every client needs >= 1 of each"
+            )
+        out.append(cs)
+    return out
+
+
 def federate(
     ds: ArrayDataset,
     num_clients: int,
@@ -180,9 +197,13 @@ def federate(
         parts = partition_labels(
             y, num_clients, scheme, classes_per_client=classes_per_client, alpha=alpha, seed=seed
         )
-    splits = split_clients(
-        parts, y, test_fraction=test_fraction, val_fraction=val_fraction, seed=seed
-    )
+    fixed = getattr(ds, "natural_split", None)
+    if scheme == "natural" and fixed is not None:  # npz with a split array: kept as given
+        splits = fixed_splits(parts, np.asarray(fixed))
+    else:
+        splits = split_clients(
+            parts, y, test_fraction=test_fraction, val_fraction=val_fraction, seed=seed
+        )
     as_t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64))  # noqa: E731
     data = FederatedData(
         x=torch.from_numpy(np.ascontiguousarray(x)),

@@ -18,10 +18,13 @@ may be gzipped or not (detected from the content), and are checked for magic num
 and exact size.  CIFAR pickles are read with an unpickler that only rebuilds numpy arrays.
 
 Your own data (:data:`OWN_DATA`) is read from ``dataset.path`` (passed as the loader option
-``path``): ``npz`` (arrays ``x``, ``y``, optional ``x_test``, ``y_test``, ``client``),
+``path``): ``npz`` (arrays ``x``, ``y``, optional ``x_test``, ``y_test``, ``client``,
+``split``, ``mean``, ``std``),
 ``folder`` (one sub-folder of images per class) and ``hf_disk`` (a Hugging Face dataset written
 by ``save_to_disk``; needs the optional ``datasets`` package). A ``client`` id per sample
-becomes ``natural_partition``.
+becomes ``natural_partition``; an npz ``split`` per sample (``train`` / ``val`` / ``test``,
+or 0 / 1 / 2) becomes ``natural_split``, which fixes each client's split under
+``partition.name = natural`` (what ``hyperfed export --format npz`` writes).
 
 Images are returned as ``uint8`` arrays of shape ``[N, C, H, W]`` (values 0..255); ``mean`` and
 ``std`` are the per-channel statistics of ``x_train / 255`` and are meant for normalisation.
@@ -81,6 +84,8 @@ class ArrayDataset:
     (``synthetic``; ``npz`` / ``hf_disk`` with client ids): entry ``i`` holds the indices of user ``i``'s samples in the *pooled*
     arrays ``concatenate([x_train, x_test])`` / ``concatenate([y_train, y_test])`` (see
     :meth:`pooled`), i.e. test indices are offset by ``len(y_train)``.
+    ``natural_split`` (npz with a ``split`` array) gives each pooled sample its split, 0 train,
+    1 val, 2 test: with the natural partition it replaces the drawn per-client split.
     """
 
     name: str
@@ -92,6 +97,7 @@ class ArrayDataset:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     natural_partition: list[np.ndarray] | None = None
+    natural_split: np.ndarray | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -990,10 +996,16 @@ def _load_npz(
 ) -> ArrayDataset:
     """Arrays ``x``, ``y`` (optional ``x_test``, ``y_test``; optional ``client`` and
     ``client_test``: a writer / user id per sample for ``partition.name = natural``) from one
-    ``.npz`` file, or from a folder of ``.npy`` files of those names."""
-    hint = "FILE.npz (arrays x, y; optional x_test, y_test, client)"
+    ``.npz`` file, or from a folder of ``.npy`` files of those names.
+
+    Optional, with ``client``: ``split`` (and ``split_test``), each sample's split -- ``train``
+    / ``val`` / ``test`` or 0 / 1 / 2 -- used instead of ``partition.test_fraction`` /
+    ``val_fraction``. Optional ``mean`` and ``std`` (one float per image channel) replace the
+    statistics computed from ``x``. ``hyperfed export --format npz`` writes all of these."""
+    hint = "FILE.npz (arrays x, y; optional x_test, y_test, client, split, mean, std)"
     p = _own_path("npz", path, data_dir, hint)
-    keys = ("x", "y", "x_test", "y_test", "client", "client_test")
+    keys: tuple[str, ...] = ("x", "y", "x_test", "y_test", "client", "client_test")
+    keys += ("split", "split_test", "mean", "std")
     arrays: dict[str, np.ndarray] = {}
     try:
         if p.is_dir():
@@ -1029,7 +1041,7 @@ def _load_npz(
         if "client_test" not in arrays:
             raise DataError(f"npz: {where} has client and x_test but no client_test; add it")
         clients = np.concatenate([clients.reshape(-1), arrays["client_test"].reshape(-1)])
-    return _own_dataset(
+    ds = _own_dataset(
         "npz",
         arrays["x"],
         arrays["y"],
@@ -1038,6 +1050,54 @@ def _load_npz(
         clients=clients,
         num_classes=num_classes,
     )
+    if "split" in arrays:
+        ds.natural_split = _npz_split(where, arrays, clients)
+    for key in ("mean", "std"):
+        if key in arrays:
+            stats = np.asarray(arrays[key], dtype=np.float64).reshape(-1)
+            channels = ds.x_train.shape[1] if ds.x_train.dtype == np.uint8 else 0
+            if stats.size != channels or (key == "std" and not bool(np.all(stats > 0))):
+                raise DataError(
+                    f"npz: {where} {key} holds {stats.size} value(s); expected one per image "
+                    f"channel ({channels}){', all > 0' if key == 'std' else ''}"
+                )
+            setattr(ds, key, tuple(float(v) for v in stats))
+    return ds
+
+
+_SPLIT_CODES = {"train": 0, "val": 1, "test": 2}
+
+
+def _npz_split(where: str, arrays: dict[str, np.ndarray], clients: np.ndarray | None) -> np.ndarray:
+    """The npz ``split`` (+ ``split_test``) array as codes 0 train / 1 val / 2 test per pooled
+    sample."""
+    if clients is None:
+        raise DataError(
+            f"npz: {where} has split but no client; the split is per client, add client ids"
+        )
+    parts = [arrays["split"].reshape(-1)]
+    if "x_test" in arrays:
+        if "split_test" not in arrays:
+            raise DataError(f"npz: {where} has split and x_test but no split_test; add it")
+        parts.append(arrays["split_test"].reshape(-1))
+    raw = np.concatenate(parts)
+    if raw.dtype.kind in "US":
+        names = raw.astype(str)
+        codes = np.array([_SPLIT_CODES.get(v, -1) for v in names], dtype=np.int64)
+    else:
+        codes = raw.astype(np.int64) if raw.dtype.kind in "iub" else np.full(raw.size, -1)
+    if codes.size != clients.size:
+        raise DataError(
+            f"npz: {where} split covers {codes.size} samples, the data has {clients.size}; "
+            "give one split per sample (train then test)"
+        )
+    bad = np.flatnonzero((codes < 0) | (codes > 2))
+    if bad.size:
+        raise DataError(
+            f"npz: {where} split holds {raw[bad[0]]!r} (sample {bad[0]}); allowed: train, val, "
+            "test or 0, 1, 2"
+        )
+    return codes
 
 
 def _read_class_folders(
