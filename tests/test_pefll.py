@@ -17,15 +17,21 @@ import torch.nn.functional as F
 from torch import nn
 from toy import tiny_mlp, toy_federation
 
-from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext
-from hyperfed.algorithms.pefll import PeFLLClient, PeFLLParams, PeFLLServer
+from hyperfed.algorithms.base import (
+    EVAL_REQUEST,
+    ClientContext,
+    ClientGroup,
+    ServerContext,
+    stack_payloads,
+)
+from hyperfed.algorithms.pefll import PeFLLClient, PeFLLParams, PeFLLServer, embedding_net
 from hyperfed.engine.local import SGDConfig
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
 
 CPU = torch.device("cpu")
 D = 2  # descriptor size
-HP = PeFLLParams(hn_lr=0.05, embed_dim=D, hidden=3, n_layers=2, embed_model="mlp", embed_batch=3)
+HP = PeFLLParams(hn_lr=0.05, embed_dim=D, hidden=3, n_hidden=1, embed_model="mlp", embed_batch=3)
 X = torch.tensor(
     [[1.0, -1.0], [0.5, 2.0], [-1.5, 0.3], [0.2, 0.1], [2.0, 1.0], [-0.3, -0.8]],
     dtype=torch.float64,
@@ -53,8 +59,8 @@ def _server(n: int = 2, hp: PeFLLParams = HP, rounds: int = 5) -> PeFLLServer:
     return server
 
 
-def _client() -> PeFLLClient:
-    client = PeFLLClient(HP, ClientContext(0, CPU, 2, (2,)))
+def _client(hp: PeFLLParams = HP) -> PeFLLClient:
+    client = PeFLLClient(hp, ClientContext(0, CPU, 2, (2,)))
     client._embed = {4 * D + D: _phi_fm()}
     return client
 
@@ -96,16 +102,143 @@ def test_descriptor_is_mean_of_embedding_over_a_batch_of_labelled_samples():
     assert not torch.allclose(v[0], v[1])  # the label channels set clients apart
 
 
-def test_model_is_hypernetwork_of_the_descriptor_and_theta_is_what_is_evaluated():
-    server = _server()
+def test_model_is_hypernetwork_of_the_descriptor():
+    """theta_i = h(v_i); with eval_descriptor="last_sent" (the old reading, an option) the
+    evaluated model is h of the descriptor the client sent last, and no request is made."""
+    server = _server(hp=PeFLLParams(**{**HP.__dict__, "eval_descriptor": "last_sent"}))
     p = _params(server)
     msgs = server.configure_train(1, [0, 1])
+    assert server.configure_eval_request([0, 1]) == {}
     for c in (0, 1):
         expected = hand_h(p, server.descriptors[c])
         assert torch.allclose(msgs[c]["theta"], expected, rtol=0, atol=1e-12)
         assert torch.equal(msgs[c]["phi"], server.phi.detach())
         assert torch.equal(server.configure_eval([c])[c]["theta"], msgs[c]["theta"])
     assert set(msgs[0]) == {"theta", "phi", "gv", "train"}
+
+
+def authors_h(p: dict[str, torch.Tensor], v: torch.Tensor, n_hidden: int) -> torch.Tensor:
+    """The authors' CNNHyper (models.py): mlp = Linear(d, hid), then n_hidden x (ReLU,
+    Linear(hid, hid)); each output tensor a Linear(hid, size) of the mlp's features (here all
+    of them as one Linear of K). Module i of the mlp is ``extractor.<2 i>``."""
+    h = v @ p["extractor.0.weight"].T + p["extractor.0.bias"]
+    for i in range(1, n_hidden + 1):
+        h = torch.relu(h) @ p[f"extractor.{2 * i}.weight"].T + p[f"extractor.{2 * i}.bias"]
+    key = next(k for k in p if k.startswith("heads.") and k.endswith(".weight"))
+    return h @ p[key][0] + p[key.replace("weight", "bias")][0]
+
+
+@pytest.mark.parametrize("n_hidden", [0, 1, 3])
+def test_hypernetwork_depth_is_the_authors_hyper_nhid(n_hidden):
+    """--hyper-nhid n builds 1 + n Linear layers before the output layer: Linear(d, hidden)
+    and n x Linear(hidden, hidden), with a ReLU before each hidden one (none after the last);
+    the default is the authors' n = 3, i.e. 4 Linear layers (the earlier n_layers=3 gave 3)."""
+    assert PeFLLParams().n_hidden == 3
+    hidden = 4
+    hp = PeFLLParams(**{**HP.__dict__, "hidden": hidden, "n_hidden": n_hidden})
+    server = _server(hp=hp)
+    linears = [m for m in server.hnet.extractor if isinstance(m, nn.Linear)]
+    shapes = [tuple(m.weight.shape) for m in linears]
+    assert shapes == [(hidden, D)] + [(hidden, hidden)] * n_hidden
+    assert [type(m) for m in server.hnet.extractor] == [nn.Linear] + [nn.ReLU, nn.Linear] * n_hidden
+    (head,) = server.hnet.heads.values()
+    assert tuple(head.weight.shape) == (1, hidden, 12)  # output: hidden -> K
+    p = _params(server)
+    v = torch.tensor([[0.3, -1.2], [2.0, 0.5]], dtype=torch.float64)
+    expected = torch.stack([authors_h(p, v[i], n_hidden) for i in range(2)])
+    assert torch.allclose(server.generate(v), expected, rtol=0, atol=1e-12)
+
+
+def _eval_exchange(
+    server: PeFLLServer, client: PeFLLClient, state: dict[str, torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """What the round driver does before scoring: request -> Client.setup at EVAL_REQUEST ->
+    aggregate_setup -> configure_eval. Returns each client's evaluated theta."""
+    ids = [0, 1]
+    req = server.configure_eval_request(ids)
+    assert set(req) == set(ids) and all(set(m) == {"phi"} for m in req.values())
+    replies, new_state, _ = client.setup(
+        EVAL_REQUEST, _group(ids, rnd=-1), stack_payloads([req[c] for c in ids]), state
+    )
+    assert new_state is state  # evaluation leaves the client's state as it was
+    assert all(server.check_setup_reply(EVAL_REQUEST, c, r) is None for c, r in zip(ids, replies))
+    server.aggregate_setup(EVAL_REQUEST, dict(zip(ids, replies)))
+    msgs = server.configure_eval(ids)
+    return {c: msgs[c]["theta"] for c in ids}
+
+
+def test_evaluation_descriptor_is_current_phi_over_the_whole_train_split():
+    """The authors' evaluate(): v_i = mean over client i's train split of phi(x, y) with the
+    CURRENT phi, theta_i = h(v_i). Phi changed after the clients' last participation changes
+    the evaluated model accordingly; the training state (the descriptors and g_i the next
+    rounds use, the clients' state) is left as it was."""
+    hp = PeFLLParams(**{**HP.__dict__, "embed_batch": 2})  # a training batch < the split (3)
+    server, client = _server(hp=hp), _client(hp)
+    state = client.init_state(tiny_mlp(2, 2, 2), 2)
+    stale, pending = server.descriptors.clone(), server.pending.clone()
+    p = _params(server)
+    thetas = _eval_exchange(server, client, state)
+    for c in (0, 1):
+        v = hand_descriptor(p["phi"], IDX[c])  # all 3 train samples of client c
+        assert torch.allclose(thetas[c], hand_h(p, v), rtol=0, atol=1e-12)
+        assert not torch.allclose(thetas[c], hand_h(p, stale[c]))
+        # not a one-batch descriptor either: no 2 of the 3 samples give this model
+        for pair in ([0, 1], [0, 2], [1, 2]):
+            one_batch = hand_descriptor(p["phi"], IDX[c][pair])
+            assert not torch.allclose(thetas[c], hand_h(p, one_batch))
+    # phi moves (a round the clients did not take part in): the evaluated model follows it
+    with torch.no_grad():
+        server.phi.add_(torch.linspace(-0.4, 0.5, server.phi.numel(), dtype=torch.float64))
+    p2 = _params(server)
+    moved = _eval_exchange(server, client, state)
+    for c in (0, 1):
+        v = hand_descriptor(p2["phi"], IDX[c])
+        assert torch.allclose(moved[c], hand_h(p2, v), rtol=0, atol=1e-12)
+        assert not torch.allclose(moved[c], thetas[c])
+    assert torch.equal(server.descriptors, stale) and torch.equal(server.pending, pending)
+    assert server.fresh == {}  # used once: the next evaluation asks again
+
+
+def test_a_client_that_misses_the_evaluation_request_is_not_evaluated():
+    server = _server()
+    server.configure_eval_request([0, 1])
+    server.aggregate_setup(EVAL_REQUEST, {1: {"v": torch.ones(D, dtype=torch.float64)}})
+    msgs = server.configure_eval([0, 1])
+    assert set(msgs) == {1}  # client 0: eval_missing, not scored with a stale descriptor
+    assert torch.allclose(msgs[1]["theta"], hand_h(_params(server), torch.ones(D).double()))
+
+
+def test_round_driver_evaluates_with_descriptors_from_the_current_phi(small_sim):
+    """Through the simulator's round driver: after training (participation 0.5), phi is
+    changed; every client is then scored with h(mean over its train split of phi(x, y)), the
+    embedding network run here as a plain module with phi loaded into it."""
+    sim = small_sim("pefll", "mlp", "rounds=1", "clients.participation=0.5")
+    sim.run()
+    server = sim.server
+    with torch.no_grad():
+        server.phi.mul_(1.5)
+    seen: dict[int, torch.Tensor] = {}
+    configure = server.configure_eval
+
+    def spy(ids: list[int]) -> dict:
+        msgs = configure(ids)
+        seen.update({c: m["theta"] for c, m in msgs.items()})
+        return msgs
+
+    server.configure_eval = spy  # type: ignore[method-assign]
+    sim.evaluate()
+    data = sim.data
+    module = embedding_net("lenet", data.input_shape, data.num_classes, server.dim).double()
+    torch.nn.utils.vector_to_parameters(server.phi.detach().double(), module.parameters())
+    assert sorted(seen) == list(range(4))
+    for c in range(4):
+        x, y = data.batch(data.train_idx[c])
+        onehot = F.one_hot(y, data.num_classes).double()
+        if x.dim() == 4:
+            onehot = onehot[:, :, None, None].expand(-1, -1, *x.shape[2:])
+        v = module(torch.cat([x.double(), onehot], 1)).mean(0)
+        expected = server.generate(v[None].to(server.descriptors.dtype))[0]
+        assert torch.allclose(seen[c], expected, rtol=1e-4, atol=1e-5), c
 
 
 def test_server_step_is_joint_on_h_and_phi_and_keeps_descriptor_gradients():
@@ -186,6 +319,7 @@ def test_new_clients_get_a_model_from_their_descriptor_without_any_learning():
     assert torch.equal(server.pending[1], torch.zeros(D, dtype=torch.float64))
     after = _params(server)
     assert all(torch.equal(after[n], p0[n]) for n in p0)
+    server.hp = PeFLLParams(**{**hp.__dict__, "eval_descriptor": "last_sent"})
     theta = server.configure_eval([1])[1]["theta"]
     assert torch.allclose(theta, hand_h(p0, reply["v"][0]), rtol=0, atol=1e-12)
 

@@ -29,11 +29,26 @@ old, and phi's gradient arrives one participation after its descriptor was used 
 exactly, at the phi and batch that produced the descriptor). A reply's phi gradient is zero
 until the client's second participation.
 
+**Evaluation** (``eval_descriptor="fresh"``, the authors' ``evaluate()`` with its default
+``--embed-split train``): before every evaluation the server sends the current phi to every
+client (an evaluation request, ``Server.configure_eval_request``); each client returns
+``v_i = mean over its whole train split of phi(x, y)``; the server sends ``theta_i = h(v_i)``,
+which is what the client is scored with. ``"last_sent"`` (this file's earlier reading) scores
+``h`` of the descriptor the client sent at its last participation instead: one batch, from a
+phi several rounds old under partial participation. The request's bytes are not counted, like
+the evaluation's own messages.
+
 **New clients** (the paper's generalization to clients unseen in training): ``new_clients``
 holds the last fraction of clients (by id) out of training; in the final ``adapt_rounds``
 rounds only they take part, nothing is learned (h and phi frozen, no local training), and
 each sends a descriptor computed with the final phi, from which the server generates its
-model -- PeFLL's inference for a new client. Metrics add ``mean_acc_old`` / ``_new``.
+model -- PeFLL's inference for a new client (with ``eval_descriptor="fresh"`` every evaluation
+does this for every client). Metrics add ``mean_acc_old`` / ``_new``.
+
+**h's depth** follows the authors' ``CNNHyper(n_hidden=--hyper-nhid)``: ``Linear(d, hidden)``,
+then ``n_hidden`` times ``ReLU, Linear(hidden, hidden)``, then the output layer to the K
+parameters (the authors' one Linear per target tensor, here one Linear of K: the same map);
+``--hyper-nhid 3`` (their default) is 4 Linear layers before the output.
 
 Choices: the embedding network is a zoo model (``embed_model``, LeNet-style by default, as the
 authors' CNN) whose input is the sample with its one-hot label appended as constant channels;
@@ -49,6 +64,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
+    EVAL_REQUEST,
     Algorithm,
     Client,
     ClientContext,
@@ -66,6 +82,8 @@ from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ZooNet, build_model
 
 CODE = "the authors' PeFLL code / FL-bench's port (the paper's text was not reachable here)"
+AUTHORS = "authors' code (pefllauthors/PeFLL, train.py / models.py)"
+EVAL_DESCRIPTORS = ("fresh", "last_sent")
 
 
 @dataclass
@@ -73,16 +91,32 @@ class PeFLLParams:
     hn_lr: float = chosen(2e-4, f"Adam lr of h and phi, {CODE}")
     embed_dim: int | None = chosen(None, f"d; None: 1 + N/4 (pFedHN's rule), {CODE}")
     hidden: int = chosen(100, f"width of h's MLP, {CODE}")
-    n_layers: int = chosen(3, f"layers of h's MLP, {CODE}")
+    n_hidden: int = chosen(
+        3,
+        f"hidden-to-hidden layers of h after its input layer: {AUTHORS}, --hyper-nhid 3, "
+        "CNNHyper(n_hidden): Linear(d, hidden) + n_hidden x Linear(hidden, hidden)",
+    )
     clip_norm: float = chosen(50.0, f"gradient norm clip of (h, phi), {CODE}")
     embed_model: str = chosen("lenet", "zoo model for phi: the authors use a LeNet-style CNN")
     embed_batch: int = chosen(64, "samples per descriptor: one batch, as the authors' default")
     new_clients: float = chosen(0.0, "fraction held out for the new-client evaluation")
     adapt_rounds: int = chosen(0, "final rounds in which only new clients send descriptors")
+    eval_descriptor: str = chosen(
+        "fresh",
+        f"{AUTHORS}, evaluate(): the current phi over the client's train split; 'last_sent': "
+        "the descriptor of its last participation",
+    )
 
     def __post_init__(self) -> None:
         if self.embed_dim is not None and self.embed_dim < 1:
             raise ValueError(f"embed_dim must be >= 1 or None (got {self.embed_dim})")
+        if self.n_hidden < 0:
+            raise ValueError(f"n_hidden must be >= 0 (got {self.n_hidden})")
+        if self.eval_descriptor not in EVAL_DESCRIPTORS:
+            raise ValueError(
+                f"eval_descriptor must be one of {', '.join(EVAL_DESCRIPTORS)} "
+                f"(got {self.eval_descriptor!r})"
+            )
         if self.embed_batch < 1:
             raise ValueError(f"embed_batch must be >= 1 (got {self.embed_batch})")
         if not 0 <= self.new_clients < 1:
@@ -129,13 +163,14 @@ class PeFLLServer(Server):
         module = embedding_net(hp.embed_model, ctx.input_shape, ctx.num_classes, self.dim)
         embed = FunctionalModel(module.to(ctx.device), hp.embed_model)
         self.phi = embed.initial_params().clone().requires_grad_(True)
-        # h: MultiHeadHypernet's extractor and one output layer of K (pFedHN's shape); its
-        # input is the client's descriptor v_i instead of a learned embedding
+        # h: MultiHeadHypernet's extractor (the authors' MLP: 1 + n_hidden Linear layers) and
+        # one output layer of K (pFedHN's shape); its input is the client's descriptor v_i
+        # instead of a learned embedding
         self.hnet = MultiHeadHypernet(
             {0: fm.num_params},
             embed_dim=self.dim,
             hidden=hp.hidden,
-            n_layers=hp.n_layers,
+            n_layers=1 + hp.n_hidden,
             out_dim=None,
         ).to(ctx.device)
         self.hnet.embeddings.requires_grad_(False)  # unused: descriptors replace them
@@ -144,6 +179,7 @@ class PeFLLServer(Server):
         )
         self.descriptors = torch.zeros(n, self.dim, device=ctx.device)  # v_i, latest received
         self.pending = torch.zeros(n, self.dim, device=ctx.device)  # g_i, not yet sent
+        self.fresh: dict[int, Tensor] = {}  # v_i of the evaluation request, used once
         n_new = round(hp.new_clients * n)
         self.new_ids, self.old_ids = ids[n - n_new :], ids[: n - n_new]
         self.adapt_from = ctx.rounds - hp.adapt_rounds + 1 if n_new else None
@@ -181,8 +217,33 @@ class PeFLLServer(Server):
         return super().check_setup_reply(stage, client_id, reply)
 
     def aggregate_setup(self, stage: int, replies: dict[int, Payload]) -> None:
+        if stage == EVAL_REQUEST:  # for this evaluation only: training is left as it was
+            self.fresh = {c: r["v"] for c, r in replies.items()}
+            return
         for c, r in replies.items():
             self.descriptors[c] = r["v"]
+
+    # -- evaluation: theta_i = h(v_i), v_i from the current phi over the train split -----------
+    def configure_eval_request(self, client_ids: list[int]) -> dict[int, Payload]:
+        if self.hp.eval_descriptor != "fresh":
+            return {}
+        self.fresh = {}
+        phi = self.phi.detach()
+        return {c: {"phi": phi} for c in client_ids}
+
+    def configure_eval(self, client_ids: list[int]) -> dict[int, Payload]:
+        if self.hp.eval_descriptor == "fresh":
+            # a client that did not answer the request is not evaluated (eval_missing)
+            fresh, self.fresh = self.fresh, {}
+            client_ids = [c for c in client_ids if c in fresh]
+            if not client_ids:
+                return {}
+            v = torch.stack([fresh[c] for c in client_ids])
+        else:
+            v = self.descriptors[torch.tensor(client_ids, device=self.descriptors.device)]
+        with torch.no_grad():
+            thetas = self.generate(v.to(self.descriptors.dtype))
+        return {c: {"theta": thetas[i]} for i, c in enumerate(client_ids)}
 
     # -- rounds ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -197,12 +258,6 @@ class PeFLLServer(Server):
             c: {"theta": thetas[i], "phi": phi, "gv": self.pending[c], "train": train}
             for i, c in enumerate(client_ids)
         }
-
-    def configure_eval(self, client_ids: list[int]) -> dict[int, Payload]:
-        with torch.no_grad():
-            idx = torch.tensor(client_ids, device=self.descriptors.device)
-            thetas = self.generate(self.descriptors[idx])
-        return {c: {"theta": thetas[i]} for i, c in enumerate(client_ids)}
 
     def reply_shapes(self, client_id: int) -> dict[str, tuple[int, ...]]:
         return {"delta": (self.num_params,), "v": (self.dim,), "phi_grad": (self.phi.numel(),)}
@@ -295,9 +350,32 @@ class PeFLLClient(Client):
             out.append(z.mean(0))
         return torch.stack(out)
 
+    @torch.no_grad()
+    def split_descriptors(self, group: ClientGroup, phi: Tensor) -> Tensor:
+        """``v_c = mean over client c's whole train split of phi_c(x, y)`` -> ``[C, d]`` (the
+        authors' evaluation descriptor)."""
+        embed = self.embed(phi.shape[-1])
+        out = []
+        for i, c in enumerate(group.client_ids):
+            total = None
+            idx = group.data.train_idx[c]
+            for part in idx.split(1024):
+                x, y = group.data.batch(part)
+                z = embed.forward(
+                    phi[i], embed.initial_buffers(), with_labels(x, y, self.num_classes)
+                )
+                assert isinstance(z, Tensor)
+                total = z.sum(0) if total is None else total + z.sum(0)
+            assert total is not None
+            out.append(total / len(idx))
+        return torch.stack(out)
+
     def setup(
         self, stage: int, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[list[Payload], dict[str, Tensor], dict[str, Tensor]]:
+        if stage == EVAL_REQUEST:  # the state is left as it was: evaluation changes nothing
+            v = self.split_descriptors(group, msg["phi"])
+            return [{"v": v[i]} for i in range(group.size)], state, {}
         idx = self.descriptor_batch(group, salt=7)
         v = self.descriptors(group, msg["phi"], idx).detach()
         new_state = {**state, "phi_sent": msg["phi"].clone(), "idx_sent": idx}
@@ -348,4 +426,6 @@ ALGORITHM = Algorithm(
     server=PeFLLServer,
     client=PeFLLClient,
     homogeneous_only=True,
+    reference=f"{AUTHORS}: h's depth (--hyper-nhid) and the evaluation descriptor (current phi "
+    "over the train split); the exchange folded into one per round (module docstring)",
 )
