@@ -212,7 +212,7 @@ def test_round_driver_evaluates_with_descriptors_from_the_current_phi(small_sim)
     """Through the simulator's round driver: after training (participation 0.5), phi is
     changed; every client is then scored with h(mean over its train split of phi(x, y)), the
     embedding network run here as a plain module with phi loaded into it."""
-    sim = small_sim("pefll", "mlp", "rounds=1", "clients.participation=0.5")
+    sim = small_sim("pefll", "mlp", "rounds=1", "participation=0.5")
     sim.run()
     server = sim.server
     with torch.no_grad():
