@@ -15,7 +15,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,flower,simulation,flwr-datasets,privacy]"
+	$(BIN)/pip install -q -e ".[dev,flower,simulation,flwr-datasets,privacy,tune]"
 	touch $@
 
 run: install

@@ -284,6 +284,66 @@ def schema() -> None:
 
 
 @app.command()
+def tune(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    trials: Annotated[int, typer.Option(help="Finished trials the study holds at the end.")] = 20,
+    out: Annotated[
+        Path, typer.Option(help="Study folder (study.db, best.toml, trials.json, plots).")
+    ] = Path("tune/study"),
+    parallel: Annotated[int, typer.Option(help="Worker processes on the same study.")] = 1,
+    seed: Annotated[int, typer.Option(help="The TPE sampler's seed.")] = 0,
+) -> None:
+    """Tune a method's local lr and its paper's hyperparameters on the validation split.
+
+    hyperfed tune --set algorithm.name=moon --trials 20 --out tune/moon; the same command
+    resumes a killed study. The test split is never evaluated while tuning."""
+    from hyperfed.tune import TuneRequest, search_space
+    from hyperfed.tune import tune as run_tune
+
+    request = TuneRequest(config, tuple(set_ or []), trials, seed)
+    try:
+        space = search_space(request.base_config().algorithm.name)
+    except HyperfedError as e:
+        fail(str(e))
+        return
+    console.print(f"tuning on the validation split: {', '.join(space)}", highlight=False)
+    with Progress(
+        TextColumn("[bold blue]tune"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[last]}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("trials", total=trials, last="")
+
+        def on_progress(done: int, total: int, line: str) -> None:
+            progress.update(task, completed=done, total=total, last=line)
+            if line and not console.is_terminal:
+                console.print(f"tune: {done}/{total} trials ({line})", highlight=False)
+
+        try:
+            best = run_tune(out, request, parallel=parallel, on_progress=on_progress)
+        except HyperfedError as e:
+            fail(str(e))
+            return
+        except KeyboardInterrupt:
+            err_console.print(f"interrupted; the same command resumes the study in {out}")
+            raise typer.Exit(130) from None
+    values = ", ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best["best"].items()
+    )
+    console.print(
+        f"best of {best['completed']} completed trials: val acc {best['value']:.4f} with {values}",
+        highlight=False,
+    )
+    console.print(f"wrote {out / 'best.toml'} (a config fragment) and the study's plots")
+
+
+@app.command()
 def sweep(
     config: ConfigOpt = None,
     set_: SetOpt = None,

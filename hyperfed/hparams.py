@@ -35,3 +35,22 @@ def hparam_sources(cls: type) -> dict[str, str]:
     """Where each hyperparameter's default comes from ("paper ..." / "chosen here ...";
     "unmarked" for a field declared without :func:`paper` or :func:`chosen`)."""
     return {f.name: f.metadata.get("source", "unmarked") for f in dataclasses.fields(cls)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """A hyperparameter's search range for ``hyperfed tune`` (declared beside the method's
+    hyperparameters, in ``Algorithm.tune``): ``low..high`` (log-uniform with ``log``, integers
+    with ``integer``), or one of ``choices`` (a paper's own grid)."""
+
+    low: float = 0.0
+    high: float = 0.0
+    log: bool = False
+    integer: bool = False
+    choices: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.choices and not (self.low < self.high):
+            raise ValueError(f"Space({self.low}, {self.high}): need low < high, or choices")
+        if self.log and not self.choices and self.low <= 0:
+            raise ValueError(f"Space({self.low}, {self.high}, log=True): need low > 0")

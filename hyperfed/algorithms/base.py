@@ -42,6 +42,7 @@ from hyperfed.engine.local import (
 )
 from hyperfed.engine.losses import weighted_average
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Space as Space
 from hyperfed.hparams import chosen as chosen  # re-exported for method files
 from hyperfed.hparams import hparam_sources as hparam_sources
 from hyperfed.hparams import paper as paper
@@ -424,6 +425,9 @@ class Algorithm:
     # which model its evaluation scores (a key of SCORED_MODELS), or a function of the
     # hyperparameters for a method whose ``evaluate`` option switches it
     scores: str | Callable[[Any], str] = "personalized"
+    # hyperfed tune: the hyperparameters its paper tunes, each with its range (every method
+    # also tunes the local lr; hyperfed.tune.search_space)
+    tune: dict[str, Space] = dataclasses.field(default_factory=dict)
 
     def scored_model(self, hp: Any) -> str:
         """The key of :data:`SCORED_MODELS` this method's evaluation scores under ``hp``."""

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import Algorithm, Client, ClientGroup, Payload, chosen
 from hyperfed.algorithms.fedavg import FedAvgServer
+from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
 
 
@@ -94,4 +95,5 @@ ALGORITHM = Algorithm(
     server=FedAvgServer,
     client=DittoClient,
     homogeneous_only=True,
+    tune={"lam": Space(0.01, 2.0, log=True)},
 )

@@ -42,6 +42,7 @@ from hyperfed.engine.losses import (
     class_sums,
     kd_loss,
 )
+from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
 
 KEYS = ("logit_classes", "logits", "logit_counts")
@@ -139,4 +140,5 @@ ALGORITHM = Algorithm(
     server=FDServer,
     client=FDClient,
     local_defaults=SEED002,
+    tune={"kd_weight": Space(0.01, 10.0, log=True)},
 )

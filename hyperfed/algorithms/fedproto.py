@@ -47,6 +47,7 @@ from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.engine.local import LossFn, per_parameter
 from hyperfed.engine.losses import check_class_payload, class_means, class_sums, pack_classes
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
 
 KEYS = ("proto_classes", "protos", "proto_counts")
@@ -166,4 +167,5 @@ ALGORITHM = Algorithm(
     server=FedProtoServer,
     client=FedProtoClient,
     local_defaults=SEED002,
+    tune={"lam": Space(0.01, 10.0, log=True)},
 )

@@ -71,6 +71,7 @@ from hyperfed.algorithms.fedgh import (
 )
 from hyperfed.algorithms.fedproto import FedProtoClient
 from hyperfed.engine.local import client_seed
+from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
 
 INFERENCE = ("prototype", "classifier")
@@ -239,4 +240,5 @@ ALGORITHM = Algorithm(
     client=FedTGPClient,
     # the authors' run_me.sh: SGD lr 0.01 without momentum, 1 local epoch (-lr 0.01 -ls 1)
     local_defaults={"lr": 0.01, "momentum": 0.0, "weight_decay": 0.0, "epochs": 1},
+    tune={"lam": Space(0.1, 100.0, log=True)},
 )

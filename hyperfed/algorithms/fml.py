@@ -42,6 +42,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.engine.losses import ModelPair, kd_loss
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ModelInputError, UnknownModelError, build_model
 
@@ -151,4 +152,5 @@ ALGORITHM = Algorithm(
     server=FMLServer,
     client=FMLClient,
     local_defaults=SEED002,
+    tune={"alpha": Space(0.0, 1.0)},
 )

@@ -110,6 +110,7 @@ from hyperfed.engine.local import LossFn, cross_entropy_loss, per_parameter
 from hyperfed.engine.losses import kd_loss
 from hyperfed.engine.optim import adam
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Space
 from hyperfed.hypernet.multihead import HEAD_MODES, MultiHeadHypernet
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
@@ -590,6 +591,7 @@ def _entry(name: str, summary: str, hparams: type) -> Algorithm:
         server=MHPFedHNServer,
         client=MHPFedHNClient,
         local_defaults=SEED000,
+        tune={"hn_lr": Space(1e-5, 1e-2, log=True)},
     )
 
 

@@ -64,6 +64,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
 from hyperfed.engine.local import LossFn
+from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
 
 EVALUATED = ("local", "global")
@@ -178,4 +179,5 @@ ALGORITHM = Algorithm(
     local_defaults=SEED001,
     reference="paper + authors' code (QinbinLi/MOON): global model evaluated",
     scores=lambda hp: "global" if hp.evaluate == "global" else "local",
+    tune={"mu": Space(choices=(0.1, 1.0, 5.0, 10.0))},  # MOON §4.1's grid
 )

@@ -51,6 +51,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.engine.losses import ModelPair
+from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
 
 
@@ -226,4 +227,5 @@ ALGORITHM = Algorithm(
     client=PFedESClient,
     # §6.1: SGD with eta = 0.01 for all methods; E in {1, 10} was tuned (1 here)
     local_defaults=SEED002,
+    tune={"mu": Space(choices=(0.01, 0.05, 0.1, 0.5, 1.0))},  # seed 002 Fig. 10
 )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from hyperfed.algorithms.base import Algorithm, paper
 from hyperfed.algorithms.local_settings import SEED000
 from hyperfed.algorithms.mh_pfedhn import MHPFedHNClient, MHPFedHNParams, MHPFedHNServer
+from hyperfed.hparams import Space
 
 
 @dataclass
@@ -29,4 +30,5 @@ ALGORITHM = Algorithm(
     server=MHPFedHNServer,
     client=MHPFedHNClient,
     local_defaults=SEED000,
+    tune={"hn_lr": Space(1e-5, 1e-2, log=True)},
 )

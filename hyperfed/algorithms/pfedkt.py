@@ -86,6 +86,7 @@ from hyperfed.engine.local import (
     client_rng,
     one_client_step,
 )
+from hyperfed.hparams import Space
 from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, optimizer_step, update
 from hyperfed.models.layout import FunctionalModel
 
@@ -466,4 +467,5 @@ ALGORITHM = Algorithm(
     client=PFedKTClient,
     homogeneous_only=True,
     local_defaults=SEED001,
+    tune={"mu": Space(1e-4, 1e-1, log=True)},  # seed 001 Table 3 varies mu
 )

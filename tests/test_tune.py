@@ -1,0 +1,107 @@
+"""``hyperfed tune`` (issue 36 item 3): the study searches the declared space on the validation
+split only, beats a deliberately bad learning rate, and a killed study resumes without
+repeating a finished trial."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperfed import tune as tune_mod
+from hyperfed.hparams import Space
+from hyperfed.tune import TuneError, TuneRequest, search_space, tune, validation_curve
+
+TINY = (
+    "dataset.name=digits",
+    "clients.count=4",
+    "clients.models=mlp",
+    "rounds=3",
+    "eval_every=3",
+    "algorithm.name=fedavg",
+)
+
+
+def test_every_method_tunes_its_lr_and_the_paper_s_hyperparameters() -> None:
+    from hyperfed.algorithms import registry
+
+    for name in registry():
+        space = search_space(name)
+        assert space["local.lr"] == tune_mod.LOCAL_LR, name
+        # every declared key is a hyperparameter of the method (a typo would tune nothing)
+        hp = registry()[name].hparams()
+        for key in space:
+            if key != "local.lr":
+                assert hasattr(hp, key.rsplit(".", 1)[1]), (name, key)
+    assert search_space("moon")["algorithm.moon.mu"] == Space(choices=(0.1, 1.0, 5.0, 10.0))
+    with pytest.raises(ValueError, match="need low < high"):
+        Space(1.0, 0.5)
+
+
+def test_a_trial_never_evaluates_the_test_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyperfed.runtime.simulate import Simulation
+
+    seen: list[str] = []
+    evaluate = Simulation.evaluate
+
+    def spy(self: Simulation, split: str = "test") -> dict:
+        seen.append(split)
+        return evaluate(self, split)
+
+    monkeypatch.setattr(Simulation, "evaluate", spy)
+    cfg = TuneRequest(None, TINY, trials=1).trial_config({"local.lr": 0.05})
+    assert cfg.partition.val_fraction == tune_mod.DEFAULT_VAL_FRACTION  # added for tuning
+    reported: list[tuple[int, float]] = []
+    validation_curve(cfg, lambda r, a: reported.append((r, a)))
+    assert seen == ["val"] and [r for r, _ in reported] == [3]
+
+
+def test_tuned_lr_beats_a_bad_starting_lr_on_validation(tmp_path: Path) -> None:
+    request = TuneRequest(None, TINY, trials=4)
+    bad = validation_curve(request.trial_config({"local.lr": 1e-4}))
+    best = tune(tmp_path / "study", request)
+    assert best["value"] > bad + 0.1, (best, bad)
+    text = (tmp_path / "study" / "best.toml").read_text()
+    assert "[local]" in text and f"lr = {best['best']['local.lr']}" in text
+    assert (tmp_path / "study" / "optimization_history.png").stat().st_size > 0
+
+
+def test_a_killed_study_resumes_without_repeating_finished_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[float] = []
+
+    def fake_curve(cfg, report=None) -> float:  # type: ignore[no-untyped-def]
+        calls.append(cfg.local.lr)
+        return 1.0 - abs(cfg.local.lr - 0.05)  # best at lr 0.05
+
+    monkeypatch.setattr(tune_mod, "validation_curve", fake_curve)
+    folder = tmp_path / "study"
+    tune(folder, TuneRequest(None, TINY, trials=2))
+    assert len(calls) == 2
+    # a third trial was running when the process died: RUNNING in the storage
+    study = tune_mod.open_study(folder, TuneRequest(None, TINY, trials=3))
+    study.enqueue_trial({"local.lr": 0.2})
+    killed = study.ask({"local.lr": tune_mod.optuna_distribution(tune_mod.LOCAL_LR)})
+    killed_lr = killed.params["local.lr"]
+    assert killed_lr == 0.2
+    calls.clear()
+    result = tune(folder, TuneRequest(None, TINY, trials=3))
+    # only the interrupted trial runs again, with its own values; the finished two do not
+    assert calls == [killed_lr]
+    assert result["completed"] == 3
+    # asking for the same number again runs nothing
+    calls.clear()
+    tune(folder, TuneRequest(None, TINY, trials=3))
+    assert calls == []
+
+
+def test_bad_requests_fail_before_any_work(tmp_path: Path) -> None:
+    with pytest.raises(TuneError, match="--trials 0: need at least 1"):
+        tune(tmp_path / "s", TuneRequest(None, TINY, trials=0))
+    assert not (tmp_path / "s").exists()
+    tune_dir = tmp_path / "other"
+    tune_dir.mkdir()
+    (tune_dir / "tune.json").write_text('{"config": "x.toml", "sets": [], "space": []}')
+    with pytest.raises(TuneError, match="holds a study of another config"):
+        tune(tune_dir, TuneRequest(None, TINY, trials=1))
