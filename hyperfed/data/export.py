@@ -319,8 +319,11 @@ def _readme(fmt: str, data: FederatedData, out: Path) -> str:
         "client's exactly as `hyperfed run` splits them with the same config.\n\n"
     )
     floats = (
-        "Inputs: float32, normalized with the dataset's per-channel mean / std (config.json / "
-        "args.json record them under 'hyperfed'), images N x C x H x W; labels int64.\n"
+        "Inputs: float32 images N x C x H x W, scaled to [0, 1] and normalized with the "
+        "dataset's per-channel mean / std (recorded under 'hyperfed' in config.json / "
+        "args.json); labels int64.\n"
+        if data.mean.numel()
+        else "Inputs: float32 vectors N x D, as the dataset holds them; labels int64.\n"
     )
     if fmt == "pfllib":
         return (
