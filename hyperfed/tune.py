@@ -251,7 +251,8 @@ def tune(
     else:  # K processes on the same storage; this one watches
         ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=_worker, args=(str(folder), request, space)) for _ in range(parallel)
+            ctx.Process(target=_worker, args=(str(folder), request, space, i + 1))
+            for i in range(parallel)
         ]
         for p in procs:
             p.start()
