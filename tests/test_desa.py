@@ -2,16 +2,20 @@
 
 Anchors: the clients' DM-distilled sets mixed class by class (mean of the clients' j-th image
 of class c); local loss ``CE(D_i u D^Syn) + lambda_REG SupCon(f(real), f(anchor).detach())
-+ lambda_KD T^2 KL(softmax(teacher/T) || softmax(z/T))`` on the anchors, teacher = mean of the
-*other* clients' logits on the anchors, relayed by the server; each client keeps and is
-evaluated with its own model. Expected values by hand, in float64, from a tiny
-``Linear(3, 4) - ReLU - Linear(4, 3)``.
++ lambda_KD L_KD`` on the anchors, with the official code's (ubc-tea/DESA) reductions: SupCon
+averaged over all samples (one without a positive counts 0), ``L_KD = 0.1 CE(z, y) + 0.9 T^2
+KLDivLoss()(log_softmax(z/T), softmax(teacher/T))``, the KL averaged over batch x classes;
+teacher = mean of the *other* clients' logits on the anchors, relayed by the server; each
+client keeps and is evaluated with its own model. Expected values by hand, in float64, from a
+tiny ``Linear(3, 4) - ReLU - Linear(4, 3)``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -22,6 +26,7 @@ from hyperfed.algorithms.desa import (
     DESAClient,
     DESAParams,
     DESAServer,
+    desa_kd_loss,
     desa_objective,
     mix_anchors,
 )
@@ -40,6 +45,7 @@ def mlp(theta: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def hand_supcon(f: Tensor, y: Tensor, t: float) -> Tensor:
+    """The official SupConLoss: the mean over *all* samples, 0 for one without a positive."""
     z = F.normalize(f, dim=-1)
     per = []
     for j in range(len(z)):
@@ -48,7 +54,61 @@ def hand_supcon(f: Tensor, y: Tensor, t: float) -> Tensor:
         pos = [k for k in others if y[k] == y[j]]
         if pos:
             per.append(-torch.stack([z[j] @ z[p] / t - log_den for p in pos]).mean())
+        else:
+            per.append(torch.zeros((), dtype=f.dtype))
     return torch.stack(per).mean()
+
+
+def hand_kd(z: Tensor, teacher: Tensor, y: Tensor, t: float, alpha: float = 0.9) -> Tensor:
+    """The official calculate_kd_loss: (1 - alpha) CE + alpha T^2 KL, KL mean over B x K."""
+    p = F.softmax(teacher / t, -1)
+    kl = (p * (p.log() - F.log_softmax(z / t, -1))).mean()  # over batch x classes
+    return (1 - alpha) * F.cross_entropy(z, y) + alpha * t * t * kl
+
+
+def test_kd_term_is_the_official_one_on_a_hand_example():
+    """2 samples, 3 classes, T = 2: ``0.1 CE + 0.9 T^2 * (sum of the 6 KL terms) / 6``."""
+    s = [[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]]  # student logits
+    tch = [[0.0, 1.0, 0.0], [2.0, -1.0, 1.0]]  # teacher logits
+    y = [0, 1]
+    t = 2.0
+
+    def softmax(v: list[float], temp: float) -> list[float]:
+        e = [math.exp(a / temp) for a in v]
+        return [a / sum(e) for a in e]
+
+    kl_terms = []
+    for i in range(2):
+        p, q = softmax(tch[i], t), softmax(s[i], t)
+        kl_terms += [p[k] * (math.log(p[k]) - math.log(q[k])) for k in range(3)]
+    ce = -sum(math.log(softmax(s[i], 1.0)[y[i]]) for i in range(2)) / 2
+    want = 0.1 * ce + 0.9 * t * t * sum(kl_terms) / 6
+    st, tt, yt = torch.tensor(s, dtype=F64), torch.tensor(tch, dtype=F64), torch.tensor(y)
+    got = desa_kd_loss(st, tt, yt, temperature=t, alpha=0.9, reduction="mean")
+    assert math.isclose(float(got), want, rel_tol=1e-12)
+    # the same number as the official call: PyTorch's nn.KLDivLoss() with its default reduction
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch warns that 'mean' is not the KL's definition
+        official = torch.nn.KLDivLoss()(F.log_softmax(st / t, 1), F.softmax(tt / t, 1))
+    assert math.isclose(0.1 * ce + 0.9 * t * t * float(official), want, rel_tol=1e-12)
+    # "batchmean": the KL summed over the classes, K = 3 times the official term
+    got_b = desa_kd_loss(st, tt, yt, temperature=t, alpha=0.9, reduction="batchmean")
+    assert math.isclose(float(got_b), 0.1 * ce + 0.9 * t * t * sum(kl_terms) / 2, rel_tol=1e-12)
+    # alpha = 1: the KL alone; alpha = 0: the CE alone
+    got1 = desa_kd_loss(st, tt, yt, temperature=t, alpha=1.0, reduction="mean")
+    assert math.isclose(float(got1), t * t * sum(kl_terms) / 6, rel_tol=1e-12)
+    got0 = desa_kd_loss(st, tt, yt, temperature=t, alpha=0.0, reduction="mean")
+    assert math.isclose(float(got0), ce, rel_tol=1e-12)
+
+
+def test_defaults_are_the_official_codes_and_bad_values_are_refused():
+    hp = DESAParams()
+    assert (hp.kd_alpha, hp.kd_reduction, hp.kd_temperature) == (0.9, "mean", 20.0)
+    assert (hp.lambda_reg, hp.lambda_kd, hp.tau_reg, hp.ipc) == (1.0, 1.0, 0.07, 50)
+    with pytest.raises(ValueError, match="kd_alpha"):
+        DESAParams(kd_alpha=1.5)
+    with pytest.raises(ValueError, match="kd_reduction"):
+        DESAParams(kd_reduction="sum")
 
 
 def test_anchors_mix_the_clients_images_class_by_class():
@@ -91,6 +151,7 @@ def test_local_objective_is_ce_plus_reg_plus_kd():
     theta = fm.initial_params()
     x, y, anchors, ya, teacher = _inputs()
     kw = dict(lambda_reg=0.7, lambda_kd=0.4, tau_reg=0.5, kd_temperature=3.0)
+    kw.update(kd_alpha=0.8, kd_reduction="mean")
     got, _ = desa_objective(
         fm, theta, fm.initial_buffers(), x, y, _ctx(theta, anchors, ya, teacher), **kw
     )
@@ -98,9 +159,7 @@ def test_local_objective_is_ce_plus_reg_plus_kd():
     fa, za = mlp(theta, anchors)
     ce = F.cross_entropy(torch.cat([zx, za]), torch.cat([y, ya]))
     reg = hand_supcon(torch.cat([fx, fa]), torch.cat([y, ya]), 0.5)
-    t = 3.0
-    p = F.softmax(teacher / t, -1)
-    kl = (p * (p.log() - F.log_softmax(za / t, -1))).sum(-1).mean() * t * t
+    kl = hand_kd(za, teacher, ya, 3.0, alpha=0.8)
     assert math.isclose(float(got), float(ce + 0.7 * reg + 0.4 * kl), rel_tol=1e-10)
     # no other client's logits yet: no KD term
     got0, _ = desa_objective(
@@ -109,12 +168,32 @@ def test_local_objective_is_ce_plus_reg_plus_kd():
     assert math.isclose(float(got0), float(ce + 0.7 * reg), rel_tol=1e-10)
 
 
+def test_reg_averages_over_all_samples_one_without_a_positive_counting_zero():
+    """Real labels 0, 1, 1, 2 and anchor labels 0, 1, 1: the class-2 sample has no positive;
+    the official SupConLoss divides the other six samples' losses by all seven."""
+    fm = tiny_mlp(D_IN, HIDDEN, CLASSES, seed=0)
+    theta = fm.initial_params()
+    x, y, anchors, _, teacher = _inputs()
+    ya = torch.tensor([0, 1, 1])
+    kw = dict(lambda_reg=1.0, lambda_kd=0.0, tau_reg=0.5, kd_temperature=3.0)
+    kw.update(kd_alpha=0.9, kd_reduction="mean")
+    got, _ = desa_objective(
+        fm, theta, fm.initial_buffers(), x, y, _ctx(theta, anchors, ya, teacher), **kw
+    )
+    fx, zx = mlp(theta, x)
+    fa, za = mlp(theta, anchors)
+    ce = F.cross_entropy(torch.cat([zx, za]), torch.cat([y, ya]))
+    reg = hand_supcon(torch.cat([fx, fa]), torch.cat([y, ya]), 0.5)
+    assert math.isclose(float(got), float(ce + reg), rel_tol=1e-10)
+
+
 def test_reg_pulls_real_features_towards_fixed_anchor_features():
     """L_REG's gradient flows through the real batch only (anchor features detached)."""
     fm = tiny_mlp(D_IN, HIDDEN, CLASSES, seed=0)
     theta = fm.initial_params()
     x, y, anchors, ya, teacher = _inputs()
     kw = dict(lambda_reg=1.0, lambda_kd=0.0, tau_reg=0.1, kd_temperature=3.0)
+    kw.update(kd_alpha=0.9, kd_reduction="mean")
     ctx = _ctx(theta, anchors, ya, teacher)
     w = theta.clone().requires_grad_(True)
     loss, _ = desa_objective(fm, w, fm.initial_buffers(), x, y, ctx, **kw)
@@ -169,7 +248,7 @@ def test_client_trains_its_own_model_and_shares_its_logits_on_the_anchors():
     x, y, anchors, ya, teacher = _inputs()
     data = toy_federation(x, y, [torch.arange(4)], CLASSES)
     hp = DESAParams(ipc=1, distill_model="mlp", anchor_batch=3, lambda_reg=0.5, lambda_kd=0.5)
-    hp.tau_reg, hp.kd_temperature = 0.5, 3.0
+    hp.tau_reg, hp.kd_temperature, hp.kd_alpha = 0.5, 3.0, 0.7
     client = DESAClient(hp, ClientContext(0, CPU, CLASSES, (D_IN,)))
     state = client.init_state(fm, 1)
     state["syn_x"], state["syn_y"] = anchors[None], ya[None]
@@ -183,8 +262,7 @@ def test_client_trains_its_own_model_and_shares_its_logits_on_the_anchors():
     fa, za = mlp(v, anchors)
     ce = F.cross_entropy(torch.cat([zx, za]), torch.cat([y, ya]))
     reg = hand_supcon(torch.cat([fx, fa.detach()]), torch.cat([y, ya]), 0.5)
-    p = F.softmax(teacher / 3.0, -1)
-    kl = (p * (p.log() - F.log_softmax(za / 3.0, -1))).sum(-1).mean() * 9.0
+    kl = hand_kd(za, teacher, ya, 3.0, alpha=0.7)  # the KL over batch x classes
     (g,) = torch.autograd.grad(ce + 0.5 * reg + 0.5 * kl, v)
     want = state["theta"][0] - 0.1 * g
     assert torch.allclose(new_state["theta"][0], want, atol=1e-12)
