@@ -433,6 +433,14 @@ def reproduce(
     configs: Annotated[Path, typer.Option(help="The repository's configs/ folder.")] = Path(
         "configs"
     ),
+    tuned: Annotated[
+        bool,
+        typer.Option(
+            help="Also tune every method (same --trials each, validation split) and run its "
+            "seeds with the best values; the table shows default and tuned rows."
+        ),
+    ] = False,
+    trials: Annotated[int, typer.Option(help="Tuning trials per method (--tuned).")] = 12,
 ) -> None:
     """Run a paper table's comparison and print it beside the paper's figures."""
     from hyperfed.report import run_algorithm, run_summary, write_report
@@ -444,6 +452,7 @@ def reproduce(
         markdown,
         runs_method,
         sweep_args,
+        tuned_runs,
     )
     from hyperfed.sweep import run_sweep, sweep_runs
 
@@ -489,7 +498,30 @@ def reproduce(
         for name, why in result.failed:
             err_console.print(f"[bold red]failed:[/] {name}: {why}", highlight=False)
         runs = [r for r in sweep_runs([folder]) if run_algorithm(r) in chosen]
-        text = markdown(t, compare(t, [run_summary(r) for r in runs], chosen), seed_list)
+        default = compare(t, [run_summary(r) for r in runs], chosen)
+        if tuned:
+            with Progress(
+                TextColumn(f"[bold blue]{t.key} tuned"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[last]}"),
+                TimeElapsedColumn(),
+                console=console,
+            ) as progress:
+                task = progress.add_task("tune", total=None, last="")
+
+                def on_tune(done: int, total: int, line: str) -> None:
+                    progress.update(task, completed=done, total=total, last=line)
+
+                tuned_dirs, tuned_failed = tuned_runs(
+                    t, scale, configs, folder, chosen, seed_list, trials, parallel, on_tune
+                )
+            result.failed.extend(tuned_failed)
+            tuned_result = compare(t, [run_summary(r) for r in tuned_dirs], chosen)
+            text = markdown(t, default, seed_list, tuned_result, trials)
+            write_report(tuned_dirs, folder / "report-tuned")
+        else:
+            text = markdown(t, default, seed_list)
         write_report(runs, folder / "report")
         (folder / "reproduce.md").write_text(text)
     except HyperfedError as e:

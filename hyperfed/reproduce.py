@@ -281,6 +281,50 @@ def sweep_args(target: Target, scale: str, configs: Path) -> tuple[Path, list[st
     return config, [f"algorithm.name={','.join(target.methods)}", *extra]
 
 
+def tuned_runs(
+    target: Target,
+    scale: str,
+    configs: Path,
+    folder: Path,
+    methods: tuple[str, ...],
+    seeds: list[int],
+    trials: int,
+    parallel: int = 1,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> tuple[list[Path], list[tuple[str, str]]]:
+    """``--tuned``: every method gets the same budget, ``trials`` trials of ``hyperfed tune`` on
+    the validation split (study in ``folder/tune/<method>``, seed 0's federation), then its
+    seeds run on test with the best values (``folder/tuned/<method>``). Returns the tuned run
+    directories and the failed runs."""
+    from hyperfed.sweep import run_sweep, sweep_runs
+    from hyperfed.tune import TuneRequest, best_sets, tune
+
+    config, sets = sweep_args(target, scale, configs)
+    extra = sets[1:]  # the target's overrides without the method axis
+    runs: list[Path] = []
+    failed: list[tuple[str, str]] = []
+    for i, m in enumerate(methods):
+        study = folder / "tune" / m
+        request = TuneRequest(config, (f"algorithm.name={m}", *extra), trials)
+
+        def progress(done: int, total: int, line: str, m: str = m, i: int = i) -> None:
+            if on_progress is not None:
+                on_progress(i * (trials + 1) + done, len(methods) * (trials + 1), f"{m}: {line}")
+
+        tune(study, request, parallel=parallel, on_progress=progress)
+        result = run_sweep(
+            folder / "tuned" / m,
+            config=config,
+            sets=[f"algorithm.name={m}", *extra, *best_sets(study)],
+            seeds=seeds,
+            parallel=parallel,
+        )
+        failed += result.failed
+        runs += sweep_runs([folder / "tuned" / m])
+        progress(trials + 1, trials + 1, "tuned seeds done")
+    return runs, failed
+
+
 def runs_method(methods: tuple[str, ...]) -> Callable[[SweepPoint], bool]:
     """The sweep filter of ``--methods``: a point runs when its method is one of ``methods``."""
     names = {f"algorithm.name={m}" for m in methods}
@@ -330,11 +374,38 @@ def compare(
     return {"rows": rows, "checks": checks}
 
 
-def markdown(target: Target, result: dict[str, Any], seeds: list[int]) -> str:
+def markdown(
+    target: Target,
+    result: dict[str, Any],
+    seeds: list[int],
+    tuned: dict[str, Any] | None = None,
+    trials: int = 0,
+) -> str:
+    """The comparison as markdown; with ``tuned``, the tuned rows (every method ``trials``
+    trials on validation) beside the default ones and the orderings judged on each."""
     lines = [
         f"## {target.key}: {target.title}\n",
         f"Ours: final mean accuracy (%), mean ± std over seeds {seeds}; paper: {target.paper_ref}.",
         "",
+    ]
+    if tuned is None:
+        lines += _table(target, result)
+    else:
+        lines += ["### Default hyperparameters", ""] + _table(target, result)
+        lines += [
+            "",
+            f"### Tuned: {trials} trials per method (local lr + the paper's hyperparameters, "
+            "TPE on the validation split of seed 0's federation; `hyperfed tune`)",
+            "",
+        ] + _table(target, tuned)
+    if target.missing:
+        lines += ["", f"Not run: {target.missing}."]
+    lines += ["", METRIC_NOTE]
+    return "\n".join(lines) + "\n"
+
+
+def _table(target: Target, result: dict[str, Any]) -> list[str]:
+    lines = [
         "| method | scores | ours | plateau | n | paper |",
         "|---|---|---|---|---|---|",
     ]
@@ -359,7 +430,4 @@ def markdown(target: Target, result: dict[str, Any], seeds: list[int]) -> str:
     ]
     lines += ["| the paper reports | here |", "|---|---|"]
     lines += [f"| {c['claim']} | {c['verdict']} |" for c in result["checks"]]
-    lines += ["", METRIC_NOTE]
-    if target.missing:
-        lines += ["", f"Not run: {target.missing}."]
-    return "\n".join(lines) + "\n"
+    return lines

@@ -105,3 +105,44 @@ def test_bad_requests_fail_before_any_work(tmp_path: Path) -> None:
     (tune_dir / "tune.json").write_text('{"config": "x.toml", "sets": [], "space": []}')
     with pytest.raises(TuneError, match="holds a study of another config"):
         tune(tune_dir, TuneRequest(None, TINY, trials=1))
+
+
+def test_reproduce_tuned_gives_every_method_the_same_trials_and_runs_its_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reproduce --tuned``: each method is tuned with the same number of trials, then its
+    seeds run with that method's best values; the table has default and tuned sections."""
+    import json
+
+    import hyperfed.sweep
+    from hyperfed.reproduce import Target, compare, markdown, tuned_runs
+    from hyperfed.sweep import SweepResult
+
+    def fake_curve(cfg, report=None) -> float:  # type: ignore[no-untyped-def]
+        return 1.0 - abs(cfg.local.lr - (0.02 if cfg.algorithm.name == "fedavg" else 0.1))
+
+    swept: dict[str, list[str]] = {}
+
+    def fake_sweep(out: Path, **kw) -> SweepResult:  # type: ignore[no-untyped-def]
+        swept[out.name] = kw["sets"]
+        return SweepResult([], [], [])
+
+    monkeypatch.setattr(tune_mod, "validation_curve", fake_curve)
+    monkeypatch.setattr(hyperfed.sweep, "run_sweep", fake_sweep)
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "tiny.toml").write_text(
+        'rounds = 2\n[dataset]\nname = "digits"\n[clients]\ncount = 3\n'
+        'models = "mlp"\n[algorithm]\nname = "fedavg"\n'
+    )
+    target = Target("9:t", "toy", "tiny.toml", ("fedavg", "local"), ("local",), cpu=("rounds=2",))
+    _, failed = tuned_runs(target, "cpu", configs, tmp_path / "r", target.methods, [0, 1], 3)
+    assert not failed
+    for m in target.methods:
+        trials = json.loads((tmp_path / "r" / "tune" / m / "trials.json").read_text())
+        assert len(trials) == 3  # the same budget for every method
+        best = max(trials, key=lambda t: t["value"])["params"]["local.lr"]
+        assert swept[m] == [f"algorithm.name={m}", "rounds=2", f"local.lr={best}"]
+    result = compare(target, [])
+    text = markdown(target, result, [0, 1], result, 3)
+    assert "### Default hyperparameters" in text and "### Tuned: 3 trials per method" in text
