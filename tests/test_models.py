@@ -19,7 +19,10 @@ from hyperfed.models import (
 )
 
 ALL = model_names()
-TINY_OK = {"lenet", "mlp", "vgg8", "resnet10", "resnet12", "resnet18", "resnet18_cifar", "convnet"}
+TINY_OK = {
+    "lenet", "mlp", "vgg8", "resnet10", "resnet12", "resnet18", "resnet18_cifar", "convnet",
+    "convnet_in",
+}  # fmt: skip
 PFEDES = ["cnn1", "cnn2", "cnn3", "cnn4", "cnn5"]
 
 
@@ -52,7 +55,8 @@ def _check_forward(model: ZooNet, in_shape: tuple[int, ...], num_classes: int) -
 
 def test_registry_names() -> None:
     expected = {
-        "lenet", "mlp", "vgg8", "resnet10", "resnet12", "resnet18", "convnet", "resnet9",
+        "lenet", "mlp", "vgg8", "resnet10", "resnet12", "resnet18", "convnet", "convnet_in",
+        "resnet9",
         *PFEDES, "kt_cnn_small", "kt_cnn_large", "squeezenet1_0", "squeezenet1_1",
         "resnet18_cifar", "lenet_wide", "mlp_wide", "vgg8_wide", "mlp_lenet_size",
         "vgg8_lenet_size",
@@ -192,7 +196,65 @@ def test_construction_is_deterministic_and_leaves_buffers() -> None:
     assert int(bn.num_batches_tracked) == 0 and bool((bn.running_var == 1).all())
 
 
-@pytest.mark.parametrize("name", ["lenet", "resnet10"])
+def test_convnet_param_counts_by_hand() -> None:
+    """Seed 003's ConvNet (Table 10) on CIFAR-10 (3x32x32, 10 classes): three padded 3x3 convs
+    of 128 channels, 32 -> 16 -> 8 -> 4 pixels after the three 2x2 pools, FC 128*4*4 -> 10.
+    ``convnet_in`` adds an affine instance norm (gamma, beta per channel) after each conv."""
+    conv1 = 3 * 128 * 3 * 3 + 128  # 3,584
+    conv2 = 128 * 128 * 3 * 3 + 128  # 147,584
+    conv3 = 128 * 128 * 3 * 3 + 128  # 147,584
+    norms = 3 * (128 + 128)  # 768: gamma and beta of 128 channels, after each conv
+    fc = 128 * 4 * 4 * 10 + 10  # 20,490
+    assert param_count(_build("convnet", (3, 32, 32), 10)) == conv1 + conv2 + conv3 + fc == 319_242
+    in_count = conv1 + conv2 + conv3 + norms + fc
+    assert param_count(_build("convnet_in", (3, 32, 32), 10)) == in_count == 320_010
+
+
+def test_convnet_in_normalizes_each_conv_per_sample_and_channel_before_the_relu() -> None:
+    """Zhao et al.'s ConvNet, layer by layer, computed here with plain tensor ops: conv, then
+    ``gamma * (h - mean) / sqrt(var + 1e-5) + beta`` with mean / biased var over H x W of each
+    sample and channel, then ReLU, then 2x2 average pooling; FC on the flattened maps."""
+    model = _build("convnet_in", (3, 8, 8), 5)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # gamma, beta away from their 1 / 0 defaults so both matter
+        for p in model.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    norms = [m for m in model.modules() if isinstance(m, nn.GroupNorm)]
+    assert len(convs) == len(norms) == 3
+    x = torch.randn(2, 3, 8, 8, generator=g)
+    h = x
+    for conv, norm in zip(convs, norms, strict=True):
+        h = torch.nn.functional.conv2d(h, conv.weight, conv.bias, padding=1)
+        mean = h.mean(dim=(2, 3), keepdim=True)
+        var = h.var(dim=(2, 3), unbiased=False, keepdim=True)
+        h = (h - mean) / torch.sqrt(var + 1e-5)
+        h = norm.weight[None, :, None, None] * h + norm.bias[None, :, None, None]
+        h = torch.relu(h)
+        h = 0.25 * (h[..., ::2, ::2] + h[..., 1::2, ::2] + h[..., ::2, 1::2] + h[..., 1::2, 1::2])
+    expected = h.flatten(1) @ model.classifier.weight.T + model.classifier.bias
+    for mode in (model.train, model.eval):  # per-sample statistics: the same in both modes
+        mode()
+        torch.testing.assert_close(model(x), expected)
+
+
+def test_fedbn_keeps_the_instance_norm_of_convnet_in_local() -> None:
+    """FedBN's local part on seed 003's ConvNet: the 768 affine norm parameters of
+    ``convnet_in`` (3 layers x 128 channels x (gamma, beta)); none on the plain ``convnet``,
+    where FedBN is FedAvg."""
+    from hyperfed.algorithms.fedbn import norm_mask
+    from hyperfed.models.layout import FunctionalModel
+
+    fm = FunctionalModel(_build("convnet_in", (3, 32, 32), 10), "convnet_in")
+    mask = norm_mask(fm)
+    assert int(mask.sum()) == 3 * 2 * 128
+    local = {s.name for s in fm.layout.segments if bool(mask[s.offset : s.end].all())}
+    assert local == {f"features.{i}.{p}" for i in (1, 5, 9) for p in ("weight", "bias")}
+    plain = FunctionalModel(_build("convnet", (3, 32, 32), 10), "convnet")
+    assert int(norm_mask(plain).sum()) == 0
+
+
+@pytest.mark.parametrize("name", ["lenet", "resnet10", "convnet_in"])
 def test_vmap_over_clients(name: str) -> None:
     model = _build(name, (3, 32, 32), 10)
     params = {k: torch.stack([v, v + 0.01]) for k, v in model.named_parameters()}
