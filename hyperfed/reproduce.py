@@ -149,7 +149,7 @@ TARGETS: dict[str, Target] = {
         Target(
             "003:table1",
             "seed 003 Table 1: MH-pFedHNDD against FL, DD and hypernetwork baselines",
-            "mh_pfedhndd_fmnist.toml",
+            "seed003/cpu_fmnist.toml",
             (
                 "fedavg",
                 "fedbn",
@@ -177,7 +177,7 @@ TARGETS: dict[str, Target] = {
         Target(
             "003:table1-hetero",
             "seed 003 Table 1, heterogeneous part (LeNet-style / VGG8 / MLP here)",
-            "mh_pfedhndd_fmnist.toml",
+            "seed003/cpu_fmnist.toml",
             (
                 "fedgh",
                 "desa",
@@ -205,7 +205,7 @@ TARGETS: dict[str, Target] = {
         Target(
             "003:table5",
             "seed 003 Table 5: the distilled set plugged into other methods",
-            "mh_pfedhndd_fmnist.toml",
+            "seed003/cpu_fmnist.toml",
             (
                 "fedavg",
                 "fedavg_dd",
