@@ -479,3 +479,159 @@ def test_marked_losses_train_per_parameter_like_the_flat_vector_loop(
     for a, b in zip(leaves, flat):
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-9), (a - b).abs().max()
     assert not torch.allclose(leaves[0], theta)
+
+
+# -- a frozen part is outside the backward pass (issue 35) ------------------------------------
+
+
+class _Spy(torch.autograd.Function):
+    """Identity whose backward counts its calls: autograd runs it only if the backward pass
+    goes through the layer it follows."""
+
+    generate_vmap_rule = True
+    backward_calls = 0
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        _Spy.backward_calls += 1
+        return g
+
+
+class _SpyLayer(torch.nn.Module):
+    def forward(self, x):
+        return _Spy.apply(x)
+
+
+def _two_layer():
+    """z = (x W1^T + b1) W2^T + b2 in float64: the body ``features.0`` (followed by the spy),
+    the head ``classifier``; two clients of 4 samples, a batch of 4 (one step an epoch)."""
+    from toy import toy_federation
+
+    from hyperfed.models.zoo import ZooNet
+
+    d, h, c = 3, 2, 3
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(d, h), _SpyLayer())
+    fm = FunctionalModel(ZooNet(body, (d,), c).double(), "two")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, d, generator=g, dtype=torch.float64)
+    y = torch.tensor([0, 2, 1, 1, 2, 0, 0, 1])
+    data = toy_federation(x, y, [torch.arange(0, 4), torch.arange(4, 8)], c)
+    theta = torch.randn(2, fm.num_params, generator=g, dtype=torch.float64)
+    return fm, data, theta, (d, h, c)
+
+
+def _two_layer_plan(data, epochs):
+    return plan_batches(data.train_idx, epochs, 4, [client_seed(0, 1, k) for k in (0, 1)])
+
+
+def _unmarked(*args):  # the same loss, not marked per_parameter: the masked-after path
+    from hyperfed.engine.local import cross_entropy_loss
+
+    return cross_entropy_loss(*args)
+
+
+def test_frozen_parameters_are_outside_the_backward_pass():
+    """Head-only steps (body frozen) never run the backward of the body's layer, on both
+    execution paths; with a loss that reads the flat vector the whole gradient is computed
+    and masked after (the spy runs once per step)."""
+    fm, data, theta, _ = _two_layer()
+    head = fm.layout.mask(["classifier"])
+    sgd = SGDConfig(lr=0.5, momentum=0.9, weight_decay=0.1, epochs=3, batch_size=4)
+    plan = _two_layer_plan(data, sgd.epochs)
+    b = torch.zeros(2, 0, dtype=torch.float64)
+    for vectorize in (True, False):
+        _Spy.backward_calls = 0
+        train_clients(fm, theta, b, data, plan, sgd, trainable=head, vectorize=vectorize)
+        assert _Spy.backward_calls == 0, vectorize
+        train_clients(
+            fm, theta, b, data, plan, sgd, trainable=head, vectorize=vectorize, loss_fn=_unmarked
+        )
+        assert _Spy.backward_calls == (3 if vectorize else 6), vectorize  # steps (x clients)
+        _Spy.backward_calls = 0  # the body's own phase goes through the body
+        train_clients(fm, theta, b, data, plan, sgd, trainable=~head, vectorize=vectorize)
+        assert _Spy.backward_calls == (3 if vectorize else 6), vectorize
+
+
+def test_stopped_backward_gives_the_masked_update():
+    """Head-only epochs with momentum and weight decay: the body stays bit-identical, and the
+    head equals both the masked-after update and torch.optim.SGD's rule computed here
+    (d = g + wd h; buf = m buf + d; h -= lr buf; full batch), on both paths."""
+    import torch.nn.functional as F
+
+    fm, data, theta, (d, h, c) = _two_layer()
+    nb = h * d + h
+    head = fm.layout.mask(["classifier"])
+    sgd = SGDConfig(lr=0.5, momentum=0.9, weight_decay=0.1, epochs=3, batch_size=4)
+    plan = _two_layer_plan(data, sgd.epochs)
+    b = torch.zeros(2, 0, dtype=torch.float64)
+    expected = []
+    for k in range(2):
+        x, y = data.x[data.train_idx[k]], data.y[data.train_idx[k]]
+        w1, b1 = theta[k, : h * d].view(h, d), theta[k, h * d : nb]
+        hk, buf = theta[k, nb:].clone(), torch.zeros(c * h + c, dtype=torch.float64)
+        for s in range(3):
+            leaf = hk.clone().requires_grad_(True)
+            z = (x @ w1.T + b1) @ leaf[: c * h].view(c, h).T + leaf[c * h :]
+            (g,) = torch.autograd.grad(F.cross_entropy(z, y), leaf)
+            step = g + 0.1 * hk
+            buf = step if s == 0 else 0.9 * buf + step
+            hk = hk - 0.5 * buf
+        expected.append(hk)
+    for vectorize in (True, False):
+        stopped, _, _ = train_clients(
+            fm, theta, b, data, plan, sgd, trainable=head, vectorize=vectorize
+        )
+        masked, _, _ = train_clients(
+            fm, theta, b, data, plan, sgd, trainable=head, vectorize=vectorize, loss_fn=_unmarked
+        )
+        assert torch.equal(stopped[:, :nb], theta[:, :nb])
+        assert torch.allclose(stopped[:, nb:], masked[:, nb:], atol=1e-12)
+        assert torch.allclose(stopped[:, nb:], torch.stack(expected), atol=1e-12)
+        assert not torch.allclose(stopped[:, nb:], theta[:, nb:])
+
+
+def test_frozen_flops_count_only_the_trainable_backward():
+    """FLOPs of a head-only step of z = (x W1^T + b1) W2^T + b2 on a batch B: forward
+    2BDH + 2BHC, backward only dL/dW2 (2BHC); a full backward adds dL/dr (2BHC) and dL/dW1
+    (2BDH). Counted for the steps taken (2 clients x 3)."""
+    from hyperfed.engine.local import FlopMeter
+
+    fm, data, theta, (d, h, c) = _two_layer()
+    head = fm.layout.mask(["classifier"])
+    sgd = SGDConfig(lr=0.5, momentum=0.0, weight_decay=0.0, epochs=3, batch_size=4)
+    plan = _two_layer_plan(data, sgd.epochs)
+    b = torch.zeros(2, 0, dtype=torch.float64)
+    bsz = 4
+    for vectorize in (True, False):
+        with FlopMeter() as stopped:
+            train_clients(fm, theta, b, data, plan, sgd, trainable=head, vectorize=vectorize)
+        with FlopMeter() as full:
+            train_clients(
+                fm, theta, b, data, plan, sgd, trainable=head, vectorize=vectorize,
+                loss_fn=_unmarked,
+            )  # fmt: skip
+        assert stopped.total == 6 * (2 * bsz * d * h + 4 * bsz * h * c)
+        assert full.total == 6 * (4 * bsz * d * h + 6 * bsz * h * c)
+
+
+def test_frozen_parameters_per_client_and_split_parameters():
+    """Whole parameters only: a mask that splits a parameter (DisPFL's sparse masks), freezes
+    nothing or everything is masked after a full backward (None); rows are per client."""
+    from hyperfed.engine.local import frozen_parameters
+
+    fm, _, _, (d, h, c) = _two_layer()
+    head = fm.layout.mask(["classifier"])
+    assert frozen_parameters(fm, head) == [(True, True, False, False)]
+    split = head.clone()
+    split[0] = True  # one entry of features.0.weight
+    rows = torch.stack([~head, split, torch.ones_like(head), torch.zeros_like(head)])
+    assert frozen_parameters(fm, rows) == [(False, False, True, True), None, None, None]

@@ -107,12 +107,12 @@ class ClientGroup:
         sizes = [self.data.train_sizes[c] for c in self.client_ids]
         return torch.tensor(sizes, dtype=torch.float32, device=self.data.x.device)
 
-    def steps(self, epochs: int | None = None) -> int:
+    def steps(self, epochs: float | None = None) -> int:
         """The group's number of local steps (its longest client's), without drawing a plan."""
         e, b = epochs or self.sgd.epochs, self.sgd.batch_size
         return max(local_steps(len(self.data.train_idx[c]), e, b) for c in self.client_ids)
 
-    def plan(self, epochs: int | None = None, salt: int = 0) -> BatchPlan:
+    def plan(self, epochs: float | None = None, salt: int = 0) -> BatchPlan:
         seeds = [client_seed(self.seed, self.rnd, c, salt) for c in self.client_ids]
         idx = [self.data.train_idx[c] for c in self.client_ids]
         return plan_batches(idx, epochs or self.sgd.epochs, self.sgd.batch_size, seeds)

@@ -25,6 +25,14 @@ trains each parameter as its own leaf with torch's fused SGD kernel, other losse
 leaf), each
 vmapped step replayed as a CUDA graph (``cuda_graphs``), and :func:`train_reference`.
 :class:`FlopMeter` measures what any of them trains.
+
+A frozen part (``trainable``) is outside the backward pass where it can be: when the mask
+freezes whole parameters and the loss reads ``theta`` only through the model
+(:func:`per_parameter`), the frozen parameters enter the loss as constants, so autograd
+computes no gradient for them and stops at the first trainable layer (FedRep's head epochs:
+no backward through the body; :func:`frozen_parameters`). Otherwise (a mask that splits a
+parameter, a loss that reads the flat vector) the whole gradient is computed and the frozen
+entries' update is masked after it. Both give the same update.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ class SGDConfig:
     lr: float = 1e-3
     momentum: float = 0.9
     weight_decay: float = 1e-4
-    epochs: int = 2
+    epochs: float = 2  # a phase may take part of an epoch (FedRep at E = 1)
     batch_size: int = 64
     cuda_graphs: str = "off"  # on / auto (groups <= GRAPH_AUTO_MAX_CLIENTS) / off; GPU only
     compile: str = "off"  # on / auto (COMPILE_AUTO models, CPU) / off: torch.compile'd step
@@ -146,7 +154,7 @@ def measured_flops(fn: Callable[..., T], *args: object) -> tuple[T, int]:
     return out, meter.total
 
 
-_STEP_FLOPS: dict[tuple, int] = {}
+_STEP_FLOPS: dict[tuple, int] = {}  # (step key, frozen parameters) -> FLOPs
 
 
 def count_flops(
@@ -158,7 +166,10 @@ def count_flops(
     plan: BatchPlan,
     ctx: dict[str, Tensor],
     step_ctx: dict[str, Tensor],
+    frozen: list[tuple[bool, ...] | None] | None = None,
 ) -> None:
+    """``frozen[c]``: the parameters client ``c``'s steps keep outside the backward pass
+    (:func:`frozen_parameters`; None: a full backward), so its steps are counted as run."""
     if FlopMeter.exact:  # the surrounding counter sees every op of this training already
         return
     fn = getattr(loss_fn, "func", loss_fn)  # functools.partial
@@ -171,17 +182,27 @@ def count_flops(
         tuple((k, tuple(v.shape[1:])) for k, v in sorted(ctx.items())),
         tuple((k, tuple(v.shape[2:])) for k, v in sorted(step_ctx.items())),
     )
-    if key not in _STEP_FLOPS:
-        x, y = data.batch(plan.idx[0, 0])
-        cx = {k: v[0] for k, v in ctx.items()} | {k: v[0, 0] for k, v in step_ctx.items()}
-        leaf = theta[0].detach().requires_grad_(True)
-        with FlopSum() as counter, torch.enable_grad():
-            loss, _ = loss_fn(fm, leaf, buffers[0], x, y, cx)
-            torch.autograd.grad(loss, leaf)
-        _STEP_FLOPS[key] = int(counter.get_total_flops())
-    client_steps = sum(plan.counts)
-    for meter in FlopMeter.active:
-        meter.total += _STEP_FLOPS[key] * client_steps
+    steps: dict[tuple[bool, ...] | None, int] = {}
+    for c, n in enumerate(plan.counts):
+        fz = frozen[c] if frozen else None
+        steps[fz] = steps.get(fz, 0) + n
+    for fz, client_steps in steps.items():
+        if (key, fz) not in _STEP_FLOPS:
+            x, y = data.batch(plan.idx[0, 0])
+            cx = {k: v[0] for k, v in ctx.items()} | {k: v[0, 0] for k, v in step_ctx.items()}
+            th: Params
+            if fz is None:
+                th = theta[0].detach().requires_grad_(True)
+                inputs: tuple[Tensor, ...] = (th,)
+            else:
+                th = _with_constants(fm, theta[0].detach(), fz)
+                inputs = tuple(p for p, f in zip(th, fz) if not f)
+            with FlopSum() as counter, torch.enable_grad():
+                loss, _ = loss_fn(fm, th, buffers[0], x, y, cx)  # type: ignore[arg-type]
+                torch.autograd.grad(loss, inputs)
+            _STEP_FLOPS[(key, fz)] = int(counter.get_total_flops())
+        for meter in FlopMeter.active:
+            meter.total += _STEP_FLOPS[(key, fz)] * client_steps
 
 
 def client_seed(seed: int, rnd: int, client_id: int, salt: int = 0) -> int:
@@ -189,13 +210,13 @@ def client_seed(seed: int, rnd: int, client_id: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + rnd * 10_007 + client_id * 101 + salt) % (2**63 - 1)
 
 
-def local_steps(n: int, epochs: int, batch_size: int) -> int:
+def local_steps(n: int, epochs: float, batch_size: int) -> int:
     """Local steps of a client with ``n`` training samples: ``ceil(epochs * n / batch)``."""
     return max(1, math.ceil(epochs * n / batch_size))
 
 
 def plan_batches(
-    train_idx: list[Tensor], epochs: int, batch_size: int, seeds: list[int]
+    train_idx: list[Tensor], epochs: float, batch_size: int, seeds: list[int]
 ) -> BatchPlan:
     """The batch schedule described in the module docstring, for a group of clients."""
     per_client, counts = [], []
@@ -269,6 +290,66 @@ def cross_entropy_loss(
     return F.cross_entropy(logits, y), new_buffers
 
 
+def frozen_parameters(fm: FunctionalModel, trainable: Tensor) -> list[tuple[bool, ...] | None]:
+    """Per client (a row of ``trainable``, ``[K]`` or ``[C, K]``): which of ``fm``'s parameters
+    the mask freezes whole, in layout order; None where it splits a parameter, freezes none or
+    freezes all (such a client's update is masked after a full backward). One host copy of the
+    mask per call, none per step."""
+    rows = trainable.detach().to("cpu", torch.bool)
+    if rows.shape[-1] != fm.num_params:  # not fm's parameter vector (e.g. two models in one)
+        return [None] * (rows.shape[0] if rows.dim() == 2 else 1)
+    rows = rows.reshape(-1, fm.num_params)
+    on = F.pad(rows.to(torch.int64).cumsum(1), (1, 0))  # [C, K + 1]
+    starts = torch.tensor([s.offset for s in fm.layout.segments], dtype=torch.long)
+    ends = torch.tensor([s.end for s in fm.layout.segments], dtype=torch.long)
+    count = on[:, ends] - on[:, starts]  # trainable entries per (client, parameter)
+    whole = (count == 0) | (count == ends - starts)
+    out: list[tuple[bool, ...] | None] = []
+    for ok, n in zip(whole.all(1).tolist(), (count == 0).tolist()):
+        useful = ok and any(n) and not all(n)
+        out.append(tuple(bool(v) for v in n) if useful else None)
+    return out
+
+
+def _with_constants(
+    fm: FunctionalModel, flat: Tensor, frozen: tuple[bool, ...]
+) -> tuple[Tensor, ...]:
+    """``flat``'s parameters as views: the frozen ones constants to autograd, the others
+    leaves that require grad."""
+    views = fm.layout.unflatten(flat).values()
+    return tuple(v.detach() if f else v.detach().requires_grad_() for v, f in zip(views, frozen))
+
+
+def stopped_step(
+    step_loss: Callable, fm: FunctionalModel, frozen: tuple[bool, ...], device: torch.device
+) -> Callable:
+    """The vmapped step of a loss marked :func:`per_parameter` with the ``frozen`` parameters
+    outside the backward pass: the gradient is taken w.r.t. the trainable entries only
+    (gathered), the frozen parameters are read from the undifferentiated ``theta``; the
+    returned gradient is ``[C, K]`` with zeros on the frozen entries."""
+    segs = fm.layout.segments
+    sizes = [s.numel for s in segs]
+    idx = torch.cat([torch.arange(s.offset, s.end) for s, f in zip(segs, frozen) if not f])
+    idx = idx.to(device)
+    train_sizes = [s.numel for s, f in zip(segs, frozen) if not f]
+
+    def loss_of(th_train: Tensor, th: Tensor, bu: Tensor, x: Tensor, y: Tensor, cx: dict) -> tuple:
+        trained = iter(th_train.split(train_sizes))
+        params = tuple(
+            (p if f else next(trained)).reshape(s.shape)
+            for s, f, p in zip(segs, frozen, th.split(sizes))
+        )
+        return step_loss(params, bu, x, y, cx)
+
+    inner = vmap(grad_and_value(loss_of, has_aux=True), randomness="different")
+
+    def step(th: Tensor, bu: Tensor, x: Tensor, y: Tensor, cx: dict) -> tuple:
+        g, aux = inner(th[:, idx], th, bu, x, y, cx)
+        return th.new_zeros(th.shape).index_copy_(1, idx, g), aux
+
+    return step
+
+
 def train_clients(
     fm: FunctionalModel,
     theta: Tensor,
@@ -288,8 +369,10 @@ def train_clients(
     ``step_ctx`` holds per-step extras, each ``[S, C, ...]`` with ``S >= plan.steps``: at step
     ``s`` the loss sees ``v[s]`` in its ``ctx`` (e.g. MH-pFedHNDD's synthetic-batch indices).
     ``trainable`` (``[K]`` or ``[C, K]`` bool) freezes the other entries (resource-constrained
-    clients, personal/shared splits). ``vectorize=False`` runs the same step client after
-    client -- faster on a small CPU, identical results.
+    clients, personal/shared splits); whole frozen parameters of a :func:`per_parameter` loss
+    stay outside the backward pass (the module docstring; under ``vmap`` when every client
+    freezes the same ones). ``vectorize=False`` runs the same step client after client --
+    faster on a small CPU, identical results.
     """
     ctx = ctx or {}
     step_ctx = step_ctx or {}
@@ -302,26 +385,44 @@ def train_clients(
         loss, new_bu = run_loss(fm, th, bu, x, y, cx)
         return loss, (loss.detach(), new_bu)
 
-    if FlopMeter.active:
-        count_flops(loss_fn, fm, theta, buffers, data, plan, ctx, step_ctx)
     mask = None if trainable is None else trainable.to(device=theta.device, dtype=theta.dtype)
+    # per client: the parameters kept outside the backward pass (None: none, or masked after)
+    per_param = takes_per_parameter(loss_fn) and run_loss is loss_fn
+    frozen: list[tuple[bool, ...] | None] = [None] * theta.shape[0]
+    if trainable is not None and per_param:
+        frozen = frozen_parameters(fm, trainable)
+        frozen = frozen * theta.shape[0] if len(frozen) == 1 else frozen
     if vectorize:
-        step = vmap(grad_and_value(step_loss, has_aux=True), randomness="different")
+        one_set = frozen[0] is not None and all(f == frozen[0] for f in frozen)
+        frozen = frozen if one_set else [None] * theta.shape[0]
+        if FlopMeter.active:
+            count_flops(loss_fn, fm, theta, buffers, data, plan, ctx, step_ctx, frozen)
+        if frozen[0] is not None:
+            step = stopped_step(step_loss, fm, frozen[0], theta.device)
+        else:
+            step = vmap(grad_and_value(step_loss, has_aux=True), randomness="different")
         return _sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
-    outs = []
     # a loss marked per_parameter trains on per-parameter leaves (one fused SGD kernel a
-    # step, no flat gradient to gather); other losses may read theta itself
-    leaves = takes_per_parameter(loss_fn) and run_loss is loss_fn
-    leaves = leaves and mask is None and not step_ctx
+    # step, no flat gradient to gather; frozen parameters are constants there); other losses
+    # may read theta itself
+    leaves = [per_param and not step_ctx and (mask is None or f is not None) for f in frozen]
+    frozen = [f if leaf else None for f, leaf in zip(frozen, leaves)]
+    if FlopMeter.active:
+        count_flops(loss_fn, fm, theta, buffers, data, plan, ctx, step_ctx, frozen)
+    outs = []
     for c in range(theta.shape[0]):
         sub = client_plan(plan, c)
         m = mask if mask is None or mask.dim() == 1 else mask[c : c + 1]
         cx = {k: v[c : c + 1] for k, v in ctx.items()}
         sx = {k: v[: sub.steps, c : c + 1] for k, v in step_ctx.items()}
         with client_rng(fm, sub):
-            if leaves:
+            if leaves[c]:
                 one = {k: v[0] for k, v in cx.items()}
-                outs.append(_leaf_sgd_loop(fm, theta[c], buffers[c], data, sub, sgd, loss_fn, one))
+                outs.append(
+                    _leaf_sgd_loop(
+                        fm, theta[c], buffers[c], data, sub, sgd, loss_fn, one, frozen[c]
+                    )
+                )
                 continue
             outs.append(
                 _sgd_loop(
@@ -427,24 +528,31 @@ def _leaf_sgd_loop(
     sgd: SGDConfig,
     loss_fn: Callable[..., tuple],  # given a tuple of leaves as theta
     ctx: dict[str, Tensor],
+    frozen: tuple[bool, ...] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One client's local SGD (a one-client ``plan``, its ``ctx`` without a client axis) on
-    a loss marked :func:`per_parameter`, each parameter its own autograd leaf: a view into a copy of the client's flat vector, updated
-    in place by torch's fused SGD kernel (``torch.optim.SGD(fused=True)``'s: the same step as
-    :func:`_sgd_update_`, in one pass). The flat gradient is never gathered: on a 2-core CPU,
-    a LeNet step on 10 images took 2.70-2.76 ms against 2.90-2.96 ms through one flat leaf
-    (issue 27)."""
+    a loss marked :func:`per_parameter`, each parameter its own autograd leaf: a view into a
+    copy of the client's flat vector, updated in place by torch's fused SGD kernel
+    (``torch.optim.SGD(fused=True)``'s: the same step as :func:`_sgd_update_`, in one pass).
+    The flat gradient is never gathered: on a 2-core CPU, a LeNet step on 10 images took
+    2.70-2.76 ms against 2.90-2.96 ms through one flat leaf (issue 27). ``frozen`` parameters
+    are constants: no gradient, no update, no backward pass through them."""
     flat = theta.detach().clone()
     views = list(fm.layout.unflatten(flat).values())  # updated in place: flat is the result
-    params = tuple(v.detach().requires_grad_() for v in views)  # the leaves, same memory
+    frozen = frozen or (False,) * len(views)
+    params = _with_constants(fm, flat, frozen)  # the leaves share flat's memory
+    train = [i for i, f in enumerate(frozen) if not f]
+    leaves = [params[i] for i in train]
     momentum = flat.new_zeros(flat.shape)  # torch.optim.SGD's first step: buf = d = 0 * m + d
     bufs = list(fm.layout.unflatten(momentum).values()) if sgd.momentum else []
+    bufs = [bufs[i] for i in train] if bufs else []
+    views = [views[i] for i in train]
     losses = []
     with torch.enable_grad():
         for idx in plan.idx[:, 0].unbind(0):
             x, y = data.batch(idx)
             loss, new_buffers = loss_fn(fm, params, buffers, x, y, ctx)
-            grads = torch.autograd.grad(loss, params)
+            grads = torch.autograd.grad(loss, leaves)
             torch._fused_sgd_(  # on the views (no autograd); it walks raw memory, so a
                 views,  # channels-last weight gradient is made contiguous like its parameter
                 [g if g.dim() < 4 else g.contiguous() for g in grads],
