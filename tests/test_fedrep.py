@@ -82,14 +82,95 @@ def _start(fm: FunctionalModel) -> tuple[Tensor, Tensor]:
     return body, heads
 
 
-def test_paper_defaults_and_the_head_is_the_last_layer() -> None:
-    """§5: 10 head epochs, then 1 representation epoch; the head h_i is the last Linear only,
-    so a hidden fc layer belongs to the shared representation."""
+def test_the_head_is_the_last_layer() -> None:
+    """§3: the head h_i is the last Linear only, so a hidden fc layer belongs to the shared
+    representation."""
     hp = FedRepParams()
-    assert (hp.head_epochs, hp.body_epochs) == (10, 1)
     fm = tiny_mlp(D, 4, C)  # fc.0 (4x3 + 4) then classifier (3x4 + 3)
     split = rep_split(fm, hp.head_layers)
     assert (split.num_body, split.num_head) == (4 * D + 4, C * 4 + C)
+
+
+def test_a_round_gets_the_runs_epochs() -> None:
+    """Unset head_epochs: E - 1 head epochs and 1 on phi (the authors' local_ep -
+    local_rep_ep); E = 1: half and half; head_epochs set: both counts as given (§5's 10 + 1)."""
+    hp = FedRepParams()
+    assert (hp.head_epochs, hp.body_epochs) == (None, 1)
+    assert hp.phase_epochs(2) == (1, 1)
+    assert hp.phase_epochs(5) == (4, 1)
+    assert hp.phase_epochs(1) == (0.5, 0.5)
+    assert FedRepParams(body_epochs=3).phase_epochs(4) == (2, 2)
+    assert FedRepParams(head_epochs=10, body_epochs=1).phase_epochs(2) == (10, 1)
+    with pytest.raises(ValueError, match="head_epochs"):
+        FedRepParams(head_epochs=-1)
+    with pytest.raises(ValueError, match="both be 0"):
+        FedRepParams(head_epochs=0, body_epochs=0)
+
+
+@pytest.mark.parametrize(
+    "epochs,hp,steps",
+    [
+        # n = (10, 7), B = 4. E = 3: head ceil(2n/4) = (5, 4), phi ceil(n/4) = (3, 2); the same
+        # total as FedAvg's ceil(3n/4) = (8, 6)
+        (3, {}, 14),
+        # E = 1: ceil(n/8) + ceil(n/8) = (2 + 2, 1 + 1)
+        (1, {}, 6),
+        # explicitly §5's 10 + 1 at E = 3: (25 + 3, 18 + 2)
+        (3, {"head_epochs": 10, "body_epochs": 1}, 48),
+    ],
+)
+def test_step_count_per_round_is_the_declared_budget(epochs, hp, steps) -> None:
+    """Count the training forwards of one round (one per SGD step in the client loop):
+    sum over clients of ``ceil(e_head * n / B) + ceil(e_phi * n / B)``."""
+    torch.manual_seed(0)
+    fm = tiny_mlp(D, 4, C)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(17, D, generator=g, dtype=torch.float64)
+    data = toy_federation(x, torch.arange(17) % C, [torch.arange(10), torch.arange(10, 17)], C)
+    sgd = SGDConfig(lr=0.1, momentum=0.9, weight_decay=0.0, epochs=epochs, batch_size=4)
+    group = ClientGroup(fm, [0, 1], data, rnd=1, seed=0, sgd=sgd, vectorize=False)
+    client = _client(**hp)
+    body = rep_split(fm, "classifier").body(fm.initial_params())
+    calls = []
+    hook = fm.module.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        client.fit(group, {"body": body.expand(2, -1).clone()}, client.init_state(fm, 2))
+    finally:
+        hook.remove()
+    assert len(calls) == steps
+
+
+def test_head_epochs_do_not_back_propagate_through_the_representation() -> None:
+    """Step 1 trains h_i with phi^t frozen: the backward pass stops at the head (a spy layer
+    after phi counts the backward calls through it); step 2 goes through phi."""
+
+    class Spy(torch.autograd.Function):
+        calls = 0
+
+        @staticmethod
+        def forward(ctx, r: Tensor) -> Tensor:
+            return r.clone()
+
+        @staticmethod
+        def backward(ctx, g: Tensor) -> Tensor:
+            Spy.calls += 1
+            return g
+
+    class SpyLayer(nn.Module):
+        def forward(self, r: Tensor) -> Tensor:
+            return Spy.apply(r)
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(D, H), SpyLayer())
+    fm = FunctionalModel(ZooNet(body, (D,), C).double(), "spy")
+    data = _data()
+    client = _client(head_epochs=3, body_epochs=0)
+    msg = {"body": fm.initial_params()[:NB].expand(2, -1).clone()}
+    client.fit(_group(fm, data), msg, client.init_state(fm, 2))
+    assert Spy.calls == 0
+    client = _client(head_epochs=0, body_epochs=2)
+    client.fit(_group(fm, data), msg, client.init_state(fm, 2))
+    assert Spy.calls == 2 * 2  # two full-batch steps per client
 
 
 def test_only_the_representation_crosses_the_wire() -> None:

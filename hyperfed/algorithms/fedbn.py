@@ -26,6 +26,15 @@ Choices the paper leaves open, or where hyperfed differs:
 
 * Weights: Algorithm 1 and the authors' code average with 1/K over equally sized clients;
   hyperfed uses FedAvg's n_k weights (identical when the clients are equally sized).
+* Local SGD: the run's ``[local]`` settings (lr, momentum, weight decay, batch, epochs E).
+  The authors' code (med-air/FedBN, ``federated/fed_digits.py``, ``fed_office.py``) trains
+  with plain SGD -- lr 1e-2, no momentum, no weight decay -- batch 32, one local epoch
+  (``wk_iters = 1``), a fresh optimizer each round; set ``[local]`` lr 0.01, momentum 0,
+  weight_decay 0, batch_size 32, epochs 1 to train as it does.
+* Which layers are local: the authors' code keeps every state-dict entry whose key contains
+  ``bn`` (affine parameters and running statistics of its BatchNorm layers, by their names);
+  hyperfed finds the normalization layers by module type (below), with the same result on
+  their models.
 * A model without normalization layers (the zoo's ConvNet of seed 003 Table 10, LeNet, VGG8,
   MLP) makes FedBN *exactly* FedAvg. This is allowed, with a warning at start: FedBN's
   definition degenerates to FedAvg there, which is what the baseline rows of seed 003
@@ -160,4 +169,6 @@ ALGORITHM = Algorithm(
     hparams=FedBNParams,
     server=FedBNServer,
     client=FedBNClient,
+    reference="paper's Alg. 1 + authors' code (med-air/FedBN): BN affine + statistics local; "
+    "n_k weights (theirs 1/K); SGD is the run's [local] (theirs: lr 1e-2, no momentum, batch 32)",
 )

@@ -16,16 +16,39 @@ body) and a head h_i of its own. Algorithm 1, round t, for each participating cl
 Only phi crosses the wire. A client is evaluated with the latest phi and its own head, as the
 authors' evaluation loads the global representation into each local model.
 
-Defaults: §5 trains the head for ten local epochs, then the representation for one (or five,
-depending on the dataset) epochs; the head is the last (linear) layer, as in §3's model
-``h_i`` linear on top of the representation. ``[local] epochs`` is not used: the two phases
-set the round's length. ``head_layers`` chooses another split (``"head"``: the model's
-``head_prefixes``, FedPer's split; or comma-separated parameter-name prefixes).
+Budget (issue 35): a round trains the run's ``[local] epochs`` E, like every baseline. §5
+trains the head for ten epochs, then the representation for one; the authors' code
+(lgcollins/FedRep, ``models/Update.py``) reads the same split from one total:
+``head_eps = local_ep - local_rep_ep`` with ``--local_ep 11 --local_rep_ep 1`` in its
+scripts. hyperfed takes that total from ``[local] epochs``: ``body_epochs`` = 1 epoch on phi
+and ``head_epochs`` = E - 1 on the head. At E = 1 that would leave the head untrained (the
+authors' code then trains phi only), so the one epoch is split in half: half an epoch on the
+head, then half on phi. In general, with ``head_epochs`` unset, phi gets
+``min(body_epochs, E / 2)`` epochs and the head the rest of E; a client with n samples and
+batch B then takes ``ceil(e_h * n / B) + ceil(e_phi * n / B)`` steps (at most one more than
+the ``ceil(E * n / B)`` of the other baselines). Setting ``head_epochs`` (e.g. 10, with
+``body_epochs = 1``: §5's 10 + 1) uses both counts as given, whatever E.
 
-Choices: Algorithm 1 averages phi with 1/(rn) over the participants; hyperfed uses FedAvg's
-n_i weights, as the brief of every baseline here (identical for equal client sizes). The
-authors' code keeps one SGD optimizer across both phases; frozen parameters get no update in
-either, so starting each phase with fresh momentum changes only the first step of phase 2.
+The head is the last (linear) layer, as in §3's model ``h_i`` linear on top of the
+representation. ``head_layers`` chooses another split (``"head"``: the model's
+``head_prefixes``, FedPer's split; or comma-separated parameter-name prefixes). In each phase
+the frozen part is outside the backward pass (the engine's ``frozen_parameters``): a head
+epoch back-propagates through the head only, as the authors' ``requires_grad = False``.
+
+What hyperfed does vs the authors' code:
+
+* Aggregation: Algorithm 1 writes 1/(rn) over the participants; the authors' code weights
+  each phi_i by the client's training size (``lens[idx]``, divided by their sum), as here.
+* Local SGD: hyperfed uses the run's ``[local]`` settings (lr, momentum, weight decay on every
+  parameter, batch) and starts each phase with fresh momentum. The authors' code uses lr 0.01,
+  momentum 0.5, batch 10, and weight decay 1e-4 on weights only (0 on biases), with one
+  optimizer for both phases; under its torch 0.4.1 a frozen head keeps a zeroed (not None)
+  gradient, so momentum and weight decay still move it slightly in the representation epoch.
+  hyperfed freezes it exactly, as Algorithm 1 does. Set ``[local]`` lr 0.01, momentum 0.5,
+  batch 10 for the authors' optimizer up to the bias decay.
+* Evaluation: the latest phi with the client's own head (the authors' evaluation loads the
+  global representation into each local model).
+
 Homogeneous clients only: the representation is averaged entry by entry.
 """
 
@@ -57,20 +80,36 @@ from hyperfed.models.split import BodyHead
 class FedRepParams:
     """tau (head epochs), representation epochs, and which layers form the head."""
 
-    head_epochs: int = paper(10, "§5: ten local epochs of SGD on the head")
-    body_epochs: int = paper(1, "§5: then one epoch (five on some datasets) on phi")
+    head_epochs: int | None = chosen(
+        None,
+        "None: the round's [local] epochs E less the representation's (authors' code: "
+        "head_eps = local_ep - local_rep_ep), so FedRep trains E epochs like every baseline; "
+        "10 with body_epochs = 1 is §5's 10 + 1",
+    )
+    body_epochs: int = paper(1, "§5 and the authors' --local_rep_ep 1: one epoch on phi")
     head_layers: str = chosen(
         "classifier",
         "§3 takes h_i linear on the representation; the zoo's last Linear is `classifier`",
     )
 
     def __post_init__(self) -> None:
-        if self.head_epochs < 0 or self.body_epochs < 0:
-            raise ValueError("head_epochs and body_epochs must be >= 0")
-        if self.head_epochs + self.body_epochs == 0:
+        if self.body_epochs < 0:
+            raise ValueError(f"body_epochs must be >= 0 (got {self.body_epochs})")
+        if self.head_epochs is not None and self.head_epochs < 0:
+            raise ValueError(f"head_epochs must be >= 0 or unset (got {self.head_epochs})")
+        if self.head_epochs == 0 and self.body_epochs == 0:
             raise ValueError("head_epochs and body_epochs cannot both be 0")
         if not [p for p in self.head_layers.split(",") if p.strip()]:
             raise ValueError("head_layers must be 'head' or parameter-name prefixes")
+
+    def phase_epochs(self, epochs: float) -> tuple[float, float]:
+        """(head epochs, representation epochs) of a round whose budget is ``epochs`` (E):
+        as set when ``head_epochs`` is set; else phi ``min(body_epochs, E / 2)``, the head the
+        rest (E >= 2, body_epochs = 1: E - 1 and 1; E = 1: a half and a half)."""
+        if self.head_epochs is not None:
+            return float(self.head_epochs), float(self.body_epochs)
+        body = min(float(self.body_epochs), epochs / 2)
+        return epochs - body, body
 
 
 @cache
@@ -124,13 +163,14 @@ class FedRepClient(Client):
         split = rep_split(group.fm, hp.head_layers)
         head_mask = split.head_mask()
         theta, buffers = split.join(msg["body"], state["head"]), state["buffers"]
+        head_epochs, body_epochs = hp.phase_epochs(group.sgd.epochs)
         losses = []
-        if hp.head_epochs:  # step 1: tau epochs on h_i, phi^t frozen
-            sgd = dataclasses.replace(group.sgd, epochs=hp.head_epochs)
+        if head_epochs:  # step 1: tau epochs on h_i, phi^t frozen (outside the backward)
+            sgd = dataclasses.replace(group.sgd, epochs=head_epochs)
             theta, buffers, loss = group.train(theta, buffers, trainable=head_mask, sgd=sgd, salt=0)
             losses.append(loss)
-        if hp.body_epochs:  # step 2: epochs on phi, the new h_i frozen
-            sgd = dataclasses.replace(group.sgd, epochs=hp.body_epochs)
+        if body_epochs:  # step 2: epochs on phi, the new h_i frozen
+            sgd = dataclasses.replace(group.sgd, epochs=body_epochs)
             theta, buffers, loss = group.train(
                 theta, buffers, trainable=~head_mask, sgd=sgd, salt=1
             )
@@ -152,4 +192,6 @@ ALGORITHM = Algorithm(
     server=FedRepServer,
     client=FedRepClient,
     homogeneous_only=True,
+    reference="paper's Alg. 1 + authors' code (lgcollins/FedRep): E - 1 head epochs + 1 on phi "
+    "(local_ep - local_rep_ep), n_i-weighted average; SGD is the run's [local], not theirs",
 )
