@@ -170,5 +170,6 @@ ALGORITHM = Algorithm(
     server=FedBNServer,
     client=FedBNClient,
     reference="paper's Alg. 1 + authors' code (med-air/FedBN): BN affine + statistics local; "
-    "n_k weights (theirs 1/K); SGD is the run's [local] (theirs: lr 1e-2, no momentum, batch 32)",
+    "n_k weights (theirs 1/K); SGD is the run's local settings (theirs: lr 1e-2, no "
+    "momentum, batch 32)",
 )

@@ -193,5 +193,6 @@ ALGORITHM = Algorithm(
     client=FedRepClient,
     homogeneous_only=True,
     reference="paper's Alg. 1 + authors' code (lgcollins/FedRep): E - 1 head epochs + 1 on phi "
-    "(local_ep - local_rep_ep), n_i-weighted average; SGD is the run's [local], not theirs",
+    "(local_ep - local_rep_ep), n_i-weighted average; SGD is the run's local settings, "
+    "not theirs",
 )
