@@ -21,6 +21,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.markup import escape
 from rich.table import Table
 
 from hyperfed.deploy.cli import ConfigOpt, SetOpt, flower_cli
@@ -192,7 +193,9 @@ def _list_table(what: ListWhat, input_shape: str, classes: int) -> None:
                 f"{k}={v} [{mark[sources[k].split()[0]]}]"
                 for k, v in hparam_fields(alg.hparams).items()
             )
-            table.add_row(name, alg.summary, hp or "-", alg.reference or "the paper")
+            table.add_row(
+                name, escape(alg.summary), escape(hp) or "-", escape(alg.reference or "the paper")
+            )
     elif what is ListWhat.models:
         from hyperfed.models.zoo import (
             ModelInputError,
