@@ -26,7 +26,8 @@ from rich.table import Table
 
 from hyperfed.deploy.cli import ConfigOpt, SetOpt, flower_cli
 from hyperfed.errors import HyperfedError
-from hyperfed.terminal import console, err_console, fail, print_final
+from hyperfed.progress import LineReporter, duration, reporting
+from hyperfed.terminal import RichPhases, console, err_console, fail, print_final
 
 app = typer.Typer(
     help="Personalized federated learning with hypernetworks across heterogeneous clients.",
@@ -100,10 +101,12 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
             f"({groups}), {cfg.partition.name} partition, {cfg.rounds} rounds, "
             f"device {sim.device}, run dir {run_dir.path}"
         )
+    if not quiet:
+        print_estimates(sim, start)
     t0 = time.perf_counter()
     nonfinite: list[int] = []
     with Progress(
-        TextColumn("[bold blue]round"),
+        TextColumn("[bold blue]{task.description}"),
         MofNCompleteColumn(),
         BarColumn(),
         TextColumn("{task.fields[acc]}"),
@@ -113,8 +116,12 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
         console=console,
         disable=quiet,
     ) as progress:
-        task = progress.add_task("rounds", total=cfg.rounds, completed=start, acc="")
+        task = progress.add_task("round", total=cfg.rounds, completed=start, acc="")
         lines = not quiet and not console.is_terminal  # CI logs: one plain line per evaluation
+        # long phases (distillation, server training): nested bars, or plain lines in logs
+        phases: RichPhases | LineReporter | None = None
+        if not quiet:
+            phases = RichPhases(progress, acc="") if console.is_terminal else LineReporter(say)
 
         def on_round(rnd: int, result: Any, record: dict[str, Any] | None) -> None:
             if result.nonfinite_loss:
@@ -131,7 +138,8 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
             progress.update(task, advance=1)
 
         try:
-            sim.run(run_dir, start_round=start, on_round=on_round)
+            with reporting(phases):
+                sim.run(run_dir, start_round=start, on_round=on_round)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -139,6 +147,9 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
                 f"no space left on device; run directory kept at {run_dir.path}, free some "
                 f"space and continue with: hyperfed run --resume {run_dir.path}"
             )
+        finally:
+            if isinstance(phases, LineReporter):
+                phases.close()
     write_summary(run_dir.path)
     if not quiet:
         print_final(run_dir.path, time.perf_counter() - t0)
@@ -147,6 +158,31 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
             f"[bold red]warning:[/] training loss was NaN or Inf in {len(nonfinite)} round(s) "
             f"(first: round {nonfinite[0]}); the run diverged: lower local.lr or check the data",
             highlight=False,
+        )
+
+
+def say(line: str) -> None:
+    """One plain line on the console (no markup, no highlighting)."""
+    console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def print_estimates(sim: Any, start: int) -> None:
+    """Before the run: what the method's known heavy phases (the distillation methods') will
+    cost on this machine, from a short timed probe (``Simulation.heavy_phases``)."""
+    rounds = sim.cfg.rounds - start
+    costs = [c for c in sim.heavy_phases() if c.per_round or start == 0]
+    total = 0.0
+    for c in costs:
+        seconds = c.seconds * (rounds if c.per_round else 1)
+        total += seconds
+        each = f"{duration(c.seconds)} a round x {rounds} rounds = " if c.per_round else ""
+        say(f"estimate: {c.what}: about {each}{duration(seconds)} on this machine")
+    if len(costs) > 1:
+        say(f"estimate: heavy phases about {duration(total)} in all")
+    if total > 120:
+        say(
+            "  (a faster first look: --config configs/distill_cpu.toml, fewer distillation "
+            "iterations and images; hyperfed list algorithms says what drives the cost)"
         )
 
 
@@ -500,7 +536,10 @@ def reproduce(
             )
         for name, why in result.failed:
             err_console.print(f"[bold red]failed:[/] {name}: {why}", highlight=False)
-        runs = [r for r in sweep_runs([folder]) if run_algorithm(r) in chosen]
+        # the default sweep's runs (one level down; --tuned's are under tuned/<method>/)
+        runs = [
+            r for r in sweep_runs([folder]) if r.parent == folder and run_algorithm(r) in chosen
+        ]
         default = compare(t, [run_summary(r) for r in runs], chosen)
         if tuned:
             with Progress(
@@ -548,14 +587,26 @@ def report(
     target: Annotated[
         float | None, typer.Option(help="Also report rounds to reach this mean accuracy (0-1).")
     ] = None,
+    keep: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also copy the runs' small files (config, metrics, studies; no checkpoints) "
+            "here, e.g. results/004-table1, so a fresh clone can redraw the report."
+        ),
+    ] = None,
 ) -> None:
     """Compare runs: a markdown table and accuracy plots (vs round, bytes, FLOPs)."""
-    from hyperfed.report import markdown_table, run_summary, write_report
+    from hyperfed.report import keep_summaries, markdown_table, run_summary, write_report
     from hyperfed.sweep import sweep_runs
 
     missing = [str(r) for r in runs if not r.exists()]
     if missing:
         fail(f"no such run directory or sweep folder: {', '.join(missing)}")
+    if keep is not None:
+        if len(runs) != 1 or not runs[0].is_dir():
+            fail("--keep copies one folder's runs: give exactly one run directory or folder")
+        kept = keep_summaries(runs[0], keep)
+        console.print(f"kept {len(kept)} files in {keep}/")
     runs = sweep_runs(runs) or runs
     if target is not None and not 0 < target <= 1:
         fail(f"--target {target}: a mean accuracy between 0 and 1 (e.g. 0.8 for 80%)")

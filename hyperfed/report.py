@@ -420,6 +420,35 @@ def write_report(
     return report
 
 
+# what ``hyperfed report --keep`` copies: enough to redraw every table and curve (and for
+# ``reproduce`` / ``tune`` to find their runs and studies finished), no checkpoints or plots
+KEPT_FILES = (
+    "config.toml",
+    "metrics.jsonl",
+    "sweep.json",
+    "tune.json",
+    "trials.json",
+    "best.toml",
+    "study.db",
+    "reproduce.md",
+)
+
+
+def keep_summaries(source: Path, dest: Path) -> list[Path]:
+    """Copy the small files of every run, sweep and study below ``source`` to the same
+    relative places below ``dest`` (e.g. ``results/004-table1``). Returns the copies."""
+    import shutil
+
+    copied = []
+    for path in sorted(source.rglob("*")):
+        if path.is_file() and path.name in KEPT_FILES:
+            to = dest / path.relative_to(source)
+            to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, to)
+            copied.append(to)
+    return copied
+
+
 def write_summary(run_dir: str | Path) -> Path:
     """``summary.md`` for one run: the headline table, per-client accuracies, plots."""
     run_dir = Path(run_dir)

@@ -234,12 +234,12 @@ def run_sweep(
 
 
 def sweep_runs(paths: list[Path]) -> list[Path]:
-    """Run directories named by ``paths``: a run directory itself, or every run directory one
-    level below a sweep folder."""
+    """Run directories named by ``paths``: a run directory itself, or every run directory
+    below a folder (a sweep's, or ``reproduce``'s with its ``tuned/<method>/`` sweeps)."""
     runs = []
     for path in paths:
         if (path / "metrics.jsonl").exists():
             runs.append(path)
         elif path.is_dir():
-            runs += sorted(p for p in path.iterdir() if (p / "metrics.jsonl").exists())
+            runs += sorted(p.parent for p in path.rglob("metrics.jsonl"))
     return runs

@@ -142,3 +142,29 @@ def test_methods_picks_a_subset_and_the_rest_show_as_not_run(tmp_path: Path) -> 
 def test_cli_refuses_a_method_the_target_lacks() -> None:
     bad = CliRunner().invoke(app, ["reproduce", "003:table1", "--methods", "fedavg,moon"])
     assert bad.exit_code != 0 and "moon not in 003:table1's methods" in bad.output
+
+
+def test_kept_summaries_redraw_the_same_table(tmp_path: Path) -> None:
+    """``hyperfed report DIR --keep results/X`` keeps config + metrics (+ studies) only, and
+    the kept copy gives the same summaries; runs below tuned/<method>/ are found too."""
+    import json
+
+    from hyperfed.report import keep_summaries, run_summary
+    from hyperfed.sweep import sweep_runs
+
+    src = tmp_path / "reproduce"
+    for rel in ("algorithm.name=a,seed=0", "tuned/a/algorithm.name=a,seed=0"):
+        run = src / rel
+        run.mkdir(parents=True)
+        (run / "config.toml").write_text('[algorithm]\nname = "a"\n')
+        records = [{"round": r, "mean_acc": 0.1 * r, "weighted_acc": 0.1 * r} for r in (1, 2)]
+        for rec in records:
+            rec.update(min_acc=0.0, max_acc=1.0, std_acc=0.1)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (run / "checkpoint.pt").write_bytes(b"x" * 100)
+    kept = keep_summaries(src, tmp_path / "results")
+    assert sorted(p.name for p in kept) == ["config.toml"] * 2 + ["metrics.jsonl"] * 2
+    again = sweep_runs([tmp_path / "results"])
+    assert len(again) == 2 and not (again[0] / "checkpoint.pt").exists()
+    for a, b in zip(sweep_runs([src]), again):
+        assert run_summary(a)["final_mean_acc"] == run_summary(b)["final_mean_acc"] == 0.2
