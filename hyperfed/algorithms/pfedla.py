@@ -14,34 +14,81 @@ output layer per model layer, giving the aggregation weight matrix alpha_i in R^
 3. the server updates HN_i by the chain rule through the weighted sum,
    ``phi_i <- phi_i - eta_hn (d alpha_i / d phi_i)^T (d theta_bar_i / d alpha_i)^T (-Delta
    theta_i)`` -- with ``d theta_bar_i^l / d alpha_i^{l,j} = theta_j^l`` --, so that
-   theta_bar_i moves toward theta~_i (the "(nabla alpha)^T Delta theta" step of the paper; its
-   reference code feeds ``-Delta theta`` as the output gradient, as pFedHN does), and stores
+   theta_bar_i moves toward theta~_i (the "(nabla alpha)^T Delta theta" step of the paper, read
+   as a descent step, as pFedHN's code feeds ``-Delta theta``), and stores
    ``theta_i <- theta~_i = theta_bar_i + Delta theta_i``;
 4. each client is evaluated with theta_bar_i aggregated from the current models.
 
 The weights of one layer are ``alpha_i^l = relu(W_l f(v_i) + b_l) / sum_j relu(...)`` (they
 sum to 1; an all-zero row falls back to client i's own model, ``alpha_i^{l,i} = 1``), with the
 output layers initialised ``W_l ~ U(0, 1)``, ``b_l = 0`` so the first aggregation is close to
-a plain average. This is how the authors' code (and FL-bench's port) normalises; the brief
-alternative, a softmax, is not what it runs.
+a plain average. This is how both reference codes (KarhouTam/pFedLA, FL-bench's pfedla)
+normalise.
 
-Choices the paper leaves open here (its text could not be read for this port; the values come
-from its reference implementation, see each field):
+Where the references and this port part (issue 35). The paper's full text could not be read
+here (its abstract and Fig. 2's five steps only); the mechanics follow KarhouTam/pFedLA.
+
+* ``hn_direction``: both reference codes feed ``+Delta theta_i`` as the output gradient and
+  then subtract the gradient, so theta_bar_i moves *away* from theta~_i (``"away"``); the
+  descent reading (``"toward"``, the default) moves it toward theta~_i.
+* ``init``: KarhouTam/pFedLA builds every client's model separately (``"per_client"``: client
+  j's own draw of the default initialization, seeded by ``(seed, j)``). With one shared
+  initialization (``"shared"``) every theta_j is equal in round 1, so the gradient reaching
+  alpha_i is the same for every j and the normalisation cancels it; afterwards it is a product
+  of the small differences between client models and the update.
+* ``hn_lr``: at the reference codes' 5e-3 that product is far too small to move alpha: on
+  configs/seed000/fmnist_homo.toml (3000 images, 50 clients) every weight stayed within 1e-6
+  of its start over 30 rounds, i.e. pFedLA ran as unweighted FedAvg, whatever the sign.
+
+Chosen on a validation split (fashion_mnist, 3000 images, 10 LeNet clients with 2 classes
+each, 20 rounds, seed 0; mean validation accuracy at round 20, largest change of any alpha):
+
+    hyperfed run -c configs/seed000/fmnist_homo.toml --set dataset.subsample=3000 \
+      --set clients.count=10 --set rounds=20 --set partition.val_fraction=0.15 \
+      --set algorithm.name=pfedla --set algorithm.pfedla.init=... (hn_lr, hn_direction)
+
+    init        hn_direction  hn_lr   val acc  max |d alpha|
+    shared      toward        5e-3    0.380    0.002     (= the old defaults; FedAvg 0.271)
+    per_client  toward/away   5e-3    0.101    0.0002
+    per_client  toward        0.5     0.101    0.022
+    per_client  away          0.5     0.101    0.016
+    per_client  toward        5       0.304    0.125
+    per_client  away          5       0.000    0.095     (diverged)
+    per_client  toward        50      0.522    0.913
+    shared      toward        0.5     0.835    0.144
+    shared      toward        5       0.932    0.911     <- defaults (Local: 0.941)
+    shared      away          5       0.126    0.921
+    shared      toward        50      0.898    0.911
+
+The reference's per-client initialization loses here: near-uniform first weights average N
+independent draws of a model without BatchNorm (the reference's CNN has it), which shrinks
+every layer by about sqrt(N) and leaves LeNet unable to learn; its weights then have to
+recover first. It stays an option (and is tested); ``"away"`` diverges or stalls.
+
+Comparing with FL-bench: its pFedLA client loads its stored personal model *after* the mixed
+one, overwriting it (FL-bench issue #164 describes the load order), so every client trains and
+is evaluated on its own model only: FL-bench's pFedLA behaves like Local training, whatever its
+weights do.
+
+Other choices:
 
 * a "layer" is a module: the parameter tensors sharing a name prefix (``features.0.weight``
   and ``features.0.bias`` form one layer); BatchNorm statistics never leave the client;
 * every HN_i steps with plain SGD (no momentum), one step per round from its own client's
-  update; HN_i of a client that did not take part is untouched;
-* all clients start from the architecture's shared initialization (theta_j^0 equal).
+  update; HN_i of a client that did not take part is untouched; the round's clients are
+  aggregated from the models at the start of the round (the reference code visits them one
+  after another, so later clients see earlier clients' new models).
 
 Homogeneous only: theta_bar_i mixes the same layer of every client's model (seed 000 §4.3).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -58,19 +105,47 @@ from hyperfed.algorithms.base import (
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
 
-REFERENCE = (
-    "pFedLA's reference code (as in FL-bench's pfedla.py); the paper's text was not reachable"
-)
+REFERENCE = "KarhouTam/pFedLA (FL-bench's pfedla.py agrees)"
+INITS = ("per_client", "shared")
+DIRECTIONS = ("toward", "away")
+
+
+def client_init(fm: FunctionalModel, seed: int, client: int) -> Tensor:
+    """Client ``client``'s own draw of ``fm``'s default PyTorch initialization (every layer's
+    ``reset_parameters``, on the CPU, under a seed derived from ``(seed, client)`` alone), flat;
+    the global RNG is left as it was."""
+    module = copy.deepcopy(fm.module).cpu()
+    draw = int(np.random.SeedSequence((seed, client, 0x9FED1A)).generate_state(1)[0])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(draw)
+        for layer in module.modules():
+            reset = getattr(layer, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    return fm.read_from(module)[0]
 
 
 @dataclass
 class PFedLAParams:
     """Hypernetwork HN_i settings (one per client)."""
 
-    hn_lr: float = chosen(5e-3, f"SGD lr of every HN_i, {REFERENCE}")
+    hn_lr: float = chosen(
+        5.0,
+        "validation split (module docstring): 5e-3, the reference codes' value, leaves alpha "
+        "where it starts (pFedLA = FedAvg)",
+    )
     embed_dim: int = chosen(100, f"size of v_i, {REFERENCE}")
     hidden: int = chosen(100, f"MLP width, {REFERENCE}")
     n_layers: int = chosen(3, f"Linear+ReLU layers of the MLP, {REFERENCE}")
+    init: str = chosen(
+        "shared",
+        "validation split (module docstring); 'per_client' is KarhouTam/pFedLA's, and averaging "
+        "independent draws of a model without BatchNorm leaves it unable to learn",
+    )
+    hn_direction: str = chosen(
+        "toward",
+        "validation split, module docstring ('away': both reference codes' sign)",
+    )
 
     def __post_init__(self) -> None:
         for key in ("embed_dim", "hidden", "n_layers"):
@@ -78,6 +153,12 @@ class PFedLAParams:
                 raise ValueError(f"{key} must be >= 1 (got {getattr(self, key)})")
         if self.hn_lr <= 0:
             raise ValueError(f"hn_lr must be > 0 (got {self.hn_lr})")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {', '.join(INITS)} (got {self.init!r})")
+        if self.hn_direction not in DIRECTIONS:
+            raise ValueError(
+                f"hn_direction must be one of {', '.join(DIRECTIONS)} (got {self.hn_direction!r})"
+            )
 
 
 def module_layers(fm: FunctionalModel) -> list[list[tuple[int, int]]]:
@@ -144,7 +225,11 @@ class PFedLAServer(Server):
             raise ValueError("pfedla expects client ids 0..N-1")
         self.layers = module_layers(fm)
         n = len(clients)
-        self.models = fm.initial_params().to(ctx.device).expand(n, -1).clone()  # theta_j
+        if hp.init == "per_client":
+            inits = [client_init(fm, ctx.seed, j) for j in range(n)]
+            self.models = torch.stack(inits).to(ctx.device, fm.initial_params().dtype)
+        else:
+            self.models = fm.initial_params().to(ctx.device).expand(n, -1).clone()  # theta_j
         torch.manual_seed(ctx.seed)
         self.hnets = AggregationHypernets(n, len(self.layers), hp).to(ctx.device)
 
@@ -172,8 +257,9 @@ class PFedLAServer(Server):
         delta = torch.stack([replies[c]["delta"] for c in ids]).to(self.models.dtype)
         self.hnets.zero_grad(set_to_none=True)
         mixed = layerwise_mix(self.hnets(ids), self.models, self.layers)
-        # -Delta theta_i as d(loss)/d(theta_bar_i): theta_bar_i moves toward theta~_i
-        mixed.backward(-delta)
+        # toward: -Delta theta_i as d(loss)/d(theta_bar_i), theta_bar_i moves toward theta~_i;
+        # away: +Delta theta_i (the reference codes' output gradient), it moves away from it
+        mixed.backward(-delta if self.hp.hn_direction == "toward" else delta)
         with torch.no_grad():
             for p in self.hnets.parameters():
                 if p.grad is not None:  # rows of absent clients have zero gradient
@@ -206,4 +292,5 @@ ALGORITHM = Algorithm(
     server=PFedLAServer,
     client=UpdateClient,
     homogeneous_only=True,
+    reference=REFERENCE,
 )
