@@ -3,8 +3,9 @@
 The round (the paper's Figure 1): (1) the client replaces its local header by the global one,
 (2) trains extractor + header with CE, (3) uploads per-class local averaged representations
 (LARs) of its trained extractor, (4) the server trains the global header with CE on the
-(LAR, class) pairs, one pair per step, and the client is evaluated with its own extractor and
-the global header.
+(LAR, class) pairs, ``server_epochs`` shuffled passes in batches of ``server_batch_size``
+(epochs x ceil(pairs / batch) SGD steps), and the client is evaluated with its own extractor and
+the global header (``eval_header="global"``) or its locally trained one (``"local"``).
 
 Expected values are computed here with plain torch from a hand-written forward pass of a tiny
 ``Linear(3, 4) - ReLU - Linear(4, 3)`` model in float64 (its header is the last Linear, flat
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from toy import tiny_mlp, toy_federation
 
+from hyperfed.algorithms import fedgh
 from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext
 from hyperfed.algorithms.fedgh import FedGHClient, FedGHParams, FedGHServer
 from hyperfed.data.federated import FederatedData
@@ -138,7 +140,8 @@ PAIRS.append((torch.tensor([2.0, 1.0, 0.0, 0.0]), 1))
 
 
 def sgd_on_pairs(w: Tensor, b: Tensor, batches: list[list[int]], lr: float) -> Tensor:
-    """theta <- theta - lr * grad mean_{pairs in batch} CE(W R + b, s), batch after batch."""
+    """theta <- theta - lr * grad mean_{pairs in batch} CE(W R + b, s), batch after batch (the
+    gradient by autograd through ``F.cross_entropy``, the server writes it out by hand)."""
     w, b = w.to(F64).clone(), b.to(F64).clone()
     for batch in batches:
         reps = torch.stack([PAIRS[i][0] for i in batch]).to(F64)
@@ -152,7 +155,7 @@ def sgd_on_pairs(w: Tensor, b: Tensor, batches: list[list[int]], lr: float) -> T
 def test_server_trains_the_header_with_ce_on_the_uploaded_lars() -> None:
     """Step 4, all pairs in one batch: one SGD step theta - eta * grad mean CE(h(R_k^s), s) over
     the three real pairs (the padded slot is no sample); a wrong sign, label or loss differs."""
-    server = make_server(server_lr=0.3, server_batch_size=8)
+    server = make_server(server_lr=0.3, server_epochs=1, server_batch_size=8)
     w0, b0 = server.header.weight.detach().clone(), server.header.bias.detach().clone()
     assert all(server.check_reply(c, r) is None for c, r in REPLIES.items())
     server.aggregate(1, REPLIES)
@@ -163,10 +166,10 @@ def test_server_trains_the_header_with_ce_on_the_uploaded_lars() -> None:
     torch.testing.assert_close(sent.to(F64), expected, rtol=0, atol=1e-6)
 
 
-def test_server_takes_one_step_per_lar_by_default() -> None:
-    """Step 4 with the default one pair per step: the header equals three sequential SGD steps
-    in some order of the pairs, not the single full-batch step."""
-    server = make_server(server_lr=0.5)
+def test_one_lar_per_step_is_sequential_sgd_over_the_pairs() -> None:
+    """Step 4 with one pair per step (LipingYi/FedGH's schedule): the header equals three
+    sequential SGD steps in some order of the pairs, not the single full-batch step."""
+    server = make_server(server_lr=0.5, server_epochs=1, server_batch_size=1)
     w0, b0 = server.header.weight.detach().clone(), server.header.bias.detach().clone()
     server.aggregate(1, REPLIES)
     got = global_header(server)
@@ -175,28 +178,119 @@ def test_server_takes_one_step_per_lar_by_default() -> None:
     assert (got - sgd_on_pairs(w0, b0, [[0, 1, 2]], 0.5)).abs().max() > 1e-3
 
 
-def test_client_is_evaluated_with_its_extractor_and_the_global_header() -> None:
-    """Step 4 on the client: its score is argmax of h(f_k(x); theta_global), the locally
-    trained header is discarded."""
-    group, client, server, _, _, _, new_state = fit()
-    server.aggregate(1, REPLIES)  # a header the client has never seen
-    msg = {k: v.expand(2, -1) for k, v in server.configure_eval([0])[0].items()}
+def _count_server_steps(server: FedGHServer, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Run ``aggregate(1, REPLIES)`` recording the pairs (indices into PAIRS) of every SGD step
+    the server takes (by wrapping its step function)."""
+    batches: list[list[int]] = []
+    rows = {tuple(r.tolist()): i for i, (r, _) in enumerate(PAIRS)}
+    step = fedgh.header_step
+
+    def counted(header: torch.nn.Linear, reps: Tensor, onehot: Tensor, lr: float) -> None:
+        batches.append([rows[tuple(r.tolist())] for r in reps.float()])
+        labels = [PAIRS[i][1] for i in batches[-1]]
+        assert onehot.argmax(1).tolist() == labels  # each LAR keeps its class
+        step(header, reps, onehot, lr)
+
+    monkeypatch.setattr(fedgh, "header_step", counted)
+    server.aggregate(1, REPLIES)
+    return batches
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"server_epochs": 1, "server_batch_size": 1},
+        {"server_epochs": 3, "server_batch_size": 2},
+        {"server_epochs": 2, "server_batch_size": 10},
+        {},
+    ],
+)
+def test_server_takes_epochs_times_ceil_pairs_over_batch_steps(
+    schedule: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 4's schedule: ``server_epochs`` passes, each over every uploaded pair exactly once
+    in batches of ``server_batch_size`` (the last one short), so epochs * ceil(M / B) SGD steps
+    for the M = 3 real pairs of REPLIES (the padded slot is no pair); ``{}`` is the default
+    schedule."""
+    hp = FedGHParams(**schedule)
+    server = make_server(**schedule)
+    batches = _count_server_steps(server, monkeypatch)
+    m, b = len(PAIRS), hp.server_batch_size
+    per_pass = -(-m // b)  # ceil(M / B), written without math.ceil
+    assert len(batches) == hp.server_epochs * per_pass
+    for e in range(hp.server_epochs):
+        passed = batches[e * per_pass : (e + 1) * per_pass]
+        assert sorted(i for batch_rows in passed for i in batch_rows) == list(range(m))
+        assert [len(x) for x in passed] == [b] * (m // b) + ([m % b] if m % b else [])
+
+
+def _evaluated(eval_header: str) -> tuple[ClientGroup, Tensor, Tensor, dict, Tensor, Tensor]:
+    """Train both clients one round, let the server train a header the clients have never
+    seen, and return what each client is evaluated with (and its accuracy counts)."""
+    group, _, server, _, _, _, new_state = fit()
+    server.aggregate(1, REPLIES)
+    hp = FedGHParams(eval_header=eval_header)
+    client = FedGHClient(hp, ClientContext(0, CPU, CLASSES, (D_IN,)))
+    server.hp = hp
+    payload = server.configure_eval([0])[0]
+    msg = {k: v.expand(2, -1) for k, v in payload.items()}
     theta, buffers = client.eval_model(group, msg, new_state)
     ok, _, _ = evaluate_clients(group.fm, theta, buffers, group.data, [0, 1])
+    return group, theta, ok, payload, new_state["theta"], global_header(server)
+
+
+def test_client_is_evaluated_with_its_extractor_and_the_global_header() -> None:
+    """Step 4 on the client (``eval_header="global"``, the default): its score is argmax of
+    h(f_k(x); theta_global); the locally trained header is discarded."""
+    assert FedGHParams().eval_header == "global"
+    group, theta, ok, payload, trained, header = _evaluated("global")
+    assert set(payload) == {"header"}
     data = group.data
     for c in range(2):
         x, y = data.batch(data.test_idx[c])
-        mixed = new_state["theta"][c].clone()
-        mixed[HEAD] = global_header(server)
+        mixed = trained[c].clone()
+        mixed[HEAD] = header
+        assert (mixed - trained[c]).abs().max() > 1e-2  # the two headers differ
         torch.testing.assert_close(theta[c], mixed, rtol=0, atol=1e-7)
         _, logits = forward(mixed, x)
         assert int(ok[c]) == int((logits.argmax(1) == y).sum())
+
+
+def test_local_eval_header_scores_the_locally_trained_header() -> None:
+    """``eval_header="local"`` (LipingYi/FedGH's test_acc after local training): the client's
+    extractor with the header of its own latest local training; nothing crosses for it."""
+    group, theta, ok, payload, trained, header = _evaluated("local")
+    assert payload == {}
+    data = group.data
+    for c in range(2):
+        x, y = data.batch(data.test_idx[c])
+        assert (trained[c][HEAD] - header).abs().max() > 1e-2  # the two headers differ
+        torch.testing.assert_close(theta[c], trained[c], rtol=0, atol=1e-7)
+        _, logits = forward(trained[c], x)
+        assert int(ok[c]) == int((logits.argmax(1) == y).sum())
+
+
+def test_the_records_say_which_header_was_scored() -> None:
+    from hyperfed.algorithms.fedgh import ALGORITHM
+
+    assert ALGORITHM.scored_model(FedGHParams()) == "personalized"
+    assert ALGORITHM.scored_model(FedGHParams(eval_header="local")) == "local"
+    assert "HtFLlib" in ALGORITHM.reference
 
 
 def test_clients_must_share_one_representation_width() -> None:
     """The header is one Linear(d, classes): different widths are a ConfigError at join."""
     with pytest.raises(ConfigError, match="one representation size"):
         FedGHServer(FedGHParams(), joins((4, 5)), ServerContext(0, CPU, CLASSES, (D_IN,)))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"eval_header": "server"}, {"server_epochs": 0}, {"server_batch_size": 0}, {"server_lr": 0}],
+)
+def test_bad_hyperparameters_are_a_value_error(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        FedGHParams(**bad)
 
 
 def test_malformed_lar_replies_are_rejected() -> None:
