@@ -6,11 +6,13 @@ other's private helpers.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
 console = Console()
@@ -24,6 +26,46 @@ def fail(message: str, code: int = 2) -> NoReturn:
     # escape: messages quote paths and lists in [...], which rich would read as markup
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+class RichPhases:
+    """A :class:`hyperfed.progress.Reporter` drawing each long phase as a bar nested under the
+    run's bars in ``progress`` (its first column shows the task's description; ``fields`` are
+    the extra fields the other columns read). A phase appears once it has run ``show_after``
+    seconds, so the many short ones (a round's aggregation) never flicker, and goes when it
+    ends."""
+
+    def __init__(self, progress: Progress, show_after: float = 0.5, **fields: Any) -> None:
+        self.progress = progress
+        self.show_after = show_after
+        self.fields = fields
+
+    def open(self, label: str, total: int | None, depth: int) -> _RichPhase:
+        from rich.markup import escape
+
+        text = f"{'  ' * depth}└ {escape(label)}"
+        task = self.progress.add_task(text, total=total, visible=False, **self.fields)
+        return _RichPhase(self.progress, task, self.show_after)
+
+
+class _RichPhase:
+    def __init__(self, progress: Progress, task: TaskID, show_after: float) -> None:
+        self.progress = progress
+        self.task = task
+        self.timer = threading.Timer(show_after, self._show)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _show(self) -> None:
+        self.progress.update(self.task, visible=True)
+
+    def advance(self, n: int = 1) -> None:
+        self.progress.update(self.task, advance=n)
+
+    def close(self) -> None:
+        self.timer.cancel()
+        self.timer.join()
+        self.progress.remove_task(self.task)
 
 
 def print_final(path: Path, seconds: float) -> None:

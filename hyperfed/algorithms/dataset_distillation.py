@@ -28,7 +28,9 @@ Readings of the paper (each is a choice the equations leave open):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +50,7 @@ from hyperfed.engine.local import (
 )
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.privacy.accounting import gaussian_epsilon, noise_for_epsilon
+from hyperfed.progress import phase, reporting
 
 # -- losses -------------------------------------------------------------------------------
 
@@ -245,6 +248,46 @@ def synthetic_objective(
         reg = unicon_loss(feats[:b], y, feats[b : b + bs], ys, uni, temperature=temperature)
         loss = loss + lambda_reg * reg
     return loss, new_buffers
+
+
+# -- progress and cost of the distillation phase ---------------------------------------------
+
+
+def clients_text(client_ids: list[int], num_clients: int) -> str:
+    """``client 3 of 10``, ``clients 0-3 of 10``, ``clients 0, 2, 5 of 10``, ``7 clients of
+    10``: who a phase works for, in a progress line."""
+    ids = sorted(client_ids)
+    if len(ids) == 1:
+        return f"client {ids[0]} of {num_clients}"
+    if ids == list(range(ids[0], ids[-1] + 1)):
+        return f"clients {ids[0]}-{ids[-1]} of {num_clients}"
+    if len(ids) <= 6:
+        return f"clients {', '.join(map(str, ids))} of {num_clients}"
+    return f"{len(ids)} clients of {num_clients}"
+
+
+def timed_probe(run: Callable[[int], object], iters: int, budget_s: float = 0.5) -> float:
+    """Seconds ``run(iters)`` would take (``run(n)``: the phase with ``n`` iterations), from a
+    short timed probe: one untimed warm-up iteration, ``run(1)`` (the fixed cost plus one
+    iteration) and ``run(1 + p)`` with ``p`` chosen to take about ``budget_s``; the estimate is
+    the fixed cost plus ``iters`` times the per-iteration cost. Progress is not reported while
+    probing, and the global RNG is left as it was."""
+
+    def seconds(n: int) -> float:
+        t0 = time.perf_counter()
+        run(n)
+        return time.perf_counter() - t0
+
+    with reporting(None), torch.random.fork_rng(devices=[]):
+        seconds(1)  # warm-up: first-call costs (kernels, allocator) are not the phase's
+        t1 = seconds(1)
+        t3 = seconds(3)
+        per = max((t3 - t1) / 2, 1e-6)
+        p = int(min(max(budget_s / per, 2), max(iters - 1, 2)))
+        if p > 2:
+            per = max((seconds(1 + p) - t1) / p, 1e-6)
+    fixed = max(t1 - per, 0.0)
+    return fixed + per * iters
 
 
 # -- the distillation phase (Alg. 1, ClientDatasetDistillation) ------------------------------
@@ -470,6 +513,7 @@ def distill_synthetic(
     cfg: DistillConfig,
     seeds: list[int],
     net_seed: int = 0,
+    label: str = "distilling synthetic sets",
 ) -> tuple[list[Tensor], list[Tensor], dict[str, Tensor]]:
     """Alg. 1's ClientDatasetDistillation for every client of a group, vectorized over them.
 
@@ -512,7 +556,8 @@ def distill_synthetic(
     uploads (model updates) are not privatized, here or in the paper.
 
     Returns per client the synthetic images ``[H_i * ipc, ...]`` (normalized input space) and
-    labels, and per-client statistics ``[C]`` of the last iteration.
+    labels, and per-client statistics ``[C]`` of the last iteration. The iterations are a
+    :func:`~hyperfed.progress.phase` named ``label`` and the clients.
     """
     device = theta.device
     gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
@@ -548,83 +593,87 @@ def distill_synthetic(
     real_labels = labels.unsqueeze(-1).expand(nc, h, k)
     dm = cc = torch.zeros(nc, device=device)
     steps = 0  # DP releases made (one per iteration): what the accountant composes
-    for t in range(cfg.iters):
-        th = theta
-        if cfg.resample and t > 0:
-            th = _fresh_params(fm, (net_seed * 1_000_003 + t) % (2**63 - 1), device).to(device)
-        idx, valid = _pick(pools, counts, k, gens, cyclic=False)
-        # only real samples and synthetic images of classes a client holds go through the model
-        with torch.no_grad():
-            (f, _), _ = fm.forward_train(
-                th, buffers, data.features(idx[valid]), return_features=True
-            )
-            fr = f.new_zeros(nc, h, k, f.shape[-1])
-            fr[valid] = f
-        if cfg.private and cfg.dp_mechanism == "dp_sgd":
-            grad = torch.zeros_like(syn)
-            dms, ccs = [], []
-            for c in range(nc):  # per client: its own per-sample gradients, clipping and noise
-                hc = held[c]
-                g_c, dm_c, cc_c = dp_sgd_image_grad(
-                    fm,
-                    th,
-                    buffers,
-                    syn.detach()[c][hc],
-                    labels[c][hc],
-                    fr[c][hc],
-                    valid[c][hc],
-                    lot=k,
-                    clip=cfg.dp_clip,
-                    sigma=float(sigma[c]),
-                    lambda_cc=cfg.lambda_cc,
-                    temperature=cfg.temperature,
-                    cc_reduction=cfg.cc_reduction,
-                    generator=gens[c],
+    label = f"{label}: {clients_text(client_ids, data.num_clients)}"
+    with phase(label, cfg.iters) as tick:
+        for t in range(cfg.iters):
+            th = theta
+            if cfg.resample and t > 0:
+                th = _fresh_params(fm, (net_seed * 1_000_003 + t) % (2**63 - 1), device).to(device)
+            idx, valid = _pick(pools, counts, k, gens, cyclic=False)
+            # only real samples and synthetic images of classes a client holds go through the model
+            with torch.no_grad():
+                (f, _), _ = fm.forward_train(
+                    th, buffers, data.features(idx[valid]), return_features=True
                 )
-                grad[c][hc] = g_c
-                dms.append(dm_c)
-                ccs.append(cc_c)
-            dm, cc = torch.stack(dms).detach(), torch.stack(ccs).detach()
+                fr = f.new_zeros(nc, h, k, f.shape[-1])
+                fr[valid] = f
+            if cfg.private and cfg.dp_mechanism == "dp_sgd":
+                grad = torch.zeros_like(syn)
+                dms, ccs = [], []
+                for c in range(nc):  # per client: its own per-sample gradients, clipping and noise
+                    hc = held[c]
+                    g_c, dm_c, cc_c = dp_sgd_image_grad(
+                        fm,
+                        th,
+                        buffers,
+                        syn.detach()[c][hc],
+                        labels[c][hc],
+                        fr[c][hc],
+                        valid[c][hc],
+                        lot=k,
+                        clip=cfg.dp_clip,
+                        sigma=float(sigma[c]),
+                        lambda_cc=cfg.lambda_cc,
+                        temperature=cfg.temperature,
+                        cc_reduction=cfg.cc_reduction,
+                        generator=gens[c],
+                    )
+                    grad[c][hc] = g_c
+                    dms.append(dm_c)
+                    ccs.append(cc_c)
+                dm, cc = torch.stack(dms).detach(), torch.stack(ccs).detach()
+                with torch.no_grad():
+                    momentum.mul_(cfg.momentum).add_(grad)
+                    syn.sub_(cfg.lr * momentum)
+                steps += 1
+                tick.advance()
+                continue
+            (f, _), _ = fm.forward_train(
+                th, buffers, syn[held].reshape(-1, *shape), return_features=True
+            )
+            fs = f.new_zeros(nc, h, cfg.ipc, f.shape[-1])
+            fs[held] = f.reshape(-1, cfg.ipc, f.shape[-1])
+            if cfg.private:
+                norms = fr.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+                fr = fr * (cfg.dp_clip / norms).clamp(max=1.0)
+                sums = (fr * valid.unsqueeze(-1).to(fr.dtype)).sum(-2)  # [C, H, d]
+                noise = torch.stack(
+                    [torch.randn(sums.shape[1:], generator=g, device=device) for g in gens]
+                )
+                sums = sums + noise * (sigma * cfg.dp_clip).view(nc, 1, 1)
+                real_means = sums / valid.sum(-1, keepdim=True).clamp(min=1)
+            else:
+                real_means = masked_mean(fr, valid)
+            dm = dm_loss(real_means, fs.mean(-2), held)
+            if cfg.lambda_cc > 0:
+                if cfg.private:  # the real side of L_CC: the released (noisy) class means
+                    real_f, real_y, real_m = real_means, labels, held
+                else:
+                    real_f = fr.reshape(nc, h * k, -1)
+                    real_y, real_m = real_labels.reshape(nc, -1), valid.reshape(nc, -1)
+                feats = torch.cat([real_f, fs.reshape(nc, h * cfg.ipc, -1)], 1)
+                ys = torch.cat([real_y, syn_labels.reshape(nc, -1)], 1)
+                mask = torch.cat([real_m, syn_mask.reshape(nc, -1)], 1)
+                cc = supcon_loss(feats, ys, temperature=cfg.temperature, mask=mask)
+                if cfg.cc_reduction == "sum":  # Eq. 5 as printed: a sum over the anchors
+                    cc = cc * mask.sum(-1).to(cc.dtype)
+            total = dm + cfg.lambda_cc * cc
+            (grad,) = torch.autograd.grad(total.sum(), syn)
             with torch.no_grad():
                 momentum.mul_(cfg.momentum).add_(grad)
                 syn.sub_(cfg.lr * momentum)
             steps += 1
-            continue
-        (f, _), _ = fm.forward_train(
-            th, buffers, syn[held].reshape(-1, *shape), return_features=True
-        )
-        fs = f.new_zeros(nc, h, cfg.ipc, f.shape[-1])
-        fs[held] = f.reshape(-1, cfg.ipc, f.shape[-1])
-        if cfg.private:
-            norms = fr.norm(dim=-1, keepdim=True).clamp(min=1e-12)
-            fr = fr * (cfg.dp_clip / norms).clamp(max=1.0)
-            sums = (fr * valid.unsqueeze(-1).to(fr.dtype)).sum(-2)  # [C, H, d]
-            noise = torch.stack(
-                [torch.randn(sums.shape[1:], generator=g, device=device) for g in gens]
-            )
-            sums = sums + noise * (sigma * cfg.dp_clip).view(nc, 1, 1)
-            real_means = sums / valid.sum(-1, keepdim=True).clamp(min=1)
-        else:
-            real_means = masked_mean(fr, valid)
-        dm = dm_loss(real_means, fs.mean(-2), held)
-        if cfg.lambda_cc > 0:
-            if cfg.private:  # the real side of L_CC: the released (noisy) class means
-                real_f, real_y, real_m = real_means, labels, held
-            else:
-                real_f = fr.reshape(nc, h * k, -1)
-                real_y, real_m = real_labels.reshape(nc, -1), valid.reshape(nc, -1)
-            feats = torch.cat([real_f, fs.reshape(nc, h * cfg.ipc, -1)], 1)
-            ys = torch.cat([real_y, syn_labels.reshape(nc, -1)], 1)
-            mask = torch.cat([real_m, syn_mask.reshape(nc, -1)], 1)
-            cc = supcon_loss(feats, ys, temperature=cfg.temperature, mask=mask)
-            if cfg.cc_reduction == "sum":  # Eq. 5 as printed: a sum over the anchors
-                cc = cc * mask.sum(-1).to(cc.dtype)
-        total = dm + cfg.lambda_cc * cc
-        (grad,) = torch.autograd.grad(total.sum(), syn)
-        with torch.no_grad():
-            momentum.mul_(cfg.momentum).add_(grad)
-            syn.sub_(cfg.lr * momentum)
-        steps += 1
+            tick.advance()
 
     out_x, out_y = [], []
     syn = syn.detach()
@@ -646,6 +695,28 @@ def distill_synthetic(
         stats["dp_sample_rate"] = q.detach().cpu()
         stats["dp_steps"] = torch.full((nc,), float(steps))
     return out_x, out_y, stats
+
+
+def distill_cost(
+    fm: FunctionalModel,
+    data: FederatedData,
+    client_ids: list[int],
+    cfg: DistillConfig,
+    seeds: list[int],
+    matching: bool = False,
+) -> float:
+    """Seconds :func:`distill_synthetic` (``matching``: :func:`distill_matching`) takes for
+    ``client_ids`` with ``cfg`` on this machine (:func:`timed_probe`; at a freshly initialized
+    ``fm``, which costs what the received model costs)."""
+    theta = fm.initial_params().to(data.x.device)
+
+    def run(n: int) -> object:
+        c = dataclasses.replace(cfg, iters=n)
+        if matching:
+            return distill_matching(fm, lambda t: theta, data, client_ids, c, seeds)
+        return distill_synthetic(fm, theta, data, client_ids, c, seeds)
+
+    return timed_probe(run, cfg.iters)
 
 
 def merge_synthetic(xs: list[Tensor], ys: list[Tensor]) -> tuple[Tensor, Tensor]:
@@ -691,6 +762,7 @@ def distill_matching(
     match_logits: bool = False,
     logit_loss: SyntheticLogitLoss | None = None,
     clamp: bool = True,
+    label: str = "distilling synthetic sets",
 ) -> tuple[list[Tensor], list[Tensor], dict[str, Tensor]]:
     """Distribution matching (Eq. 4, per class) for every client of a group, with the model of
     iteration ``t`` given by ``theta_at(t)`` (the same for every client of the group).
@@ -705,7 +777,8 @@ def distill_matching(
     so they stay images: matching at a *trained* model without normalization layers (LeNet)
     has a curvature that grows with training, and at the DM image lr of 1.0 the unclamped
     images of FedDM grew to 1e23 by round 5 (chosen here; DM's ConvNet has instance norm). Returns what
-    :func:`distill_synthetic` returns (per client images ``[H_i * ipc, ...]`` and labels)."""
+    :func:`distill_synthetic` returns (per client images ``[H_i * ipc, ...]`` and labels); the
+    iterations are a :func:`~hyperfed.progress.phase` named ``label`` and the clients."""
     theta0 = theta_at(0)
     device = theta0.device
     gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
@@ -726,37 +799,41 @@ def distill_matching(
     momentum = torch.zeros_like(syn)
     k = max(1, min(cfg.batch_real, pools.shape[-1]))
     dm = extra = torch.zeros(nc, device=device)
-    for t in range(cfg.iters):
-        th = theta0 if t == 0 else theta_at(t)
-        idx, valid = _pick(pools, counts, k, gens, cyclic=False)
-        with torch.no_grad():
+    label = f"{label}: {clients_text(client_ids, data.num_clients)}"
+    with phase(label, cfg.iters) as tick:
+        for t in range(cfg.iters):
+            th = theta0 if t == 0 else theta_at(t)
+            idx, valid = _pick(pools, counts, k, gens, cyclic=False)
+            with torch.no_grad():
+                (f, z), _ = fm.forward_train(
+                    th, buffers, data.features(idx[valid]), return_features=True
+                )
+                fr = f.new_zeros(nc, h, k, f.shape[-1])
+                fr[valid] = f
+                zr = z.new_zeros(nc, h, k, z.shape[-1])
+                zr[valid] = z
             (f, z), _ = fm.forward_train(
-                th, buffers, data.features(idx[valid]), return_features=True
+                th, buffers, syn[held].reshape(-1, *shape), return_features=True
             )
-            fr = f.new_zeros(nc, h, k, f.shape[-1])
-            fr[valid] = f
-            zr = z.new_zeros(nc, h, k, z.shape[-1])
-            zr[valid] = z
-        (f, z), _ = fm.forward_train(
-            th, buffers, syn[held].reshape(-1, *shape), return_features=True
-        )
-        fs = f.new_zeros(nc, h, cfg.ipc, f.shape[-1])
-        fs[held] = f.reshape(-1, cfg.ipc, f.shape[-1])
-        zs = z.new_zeros(nc, h, cfg.ipc, z.shape[-1])
-        zs[held] = z.reshape(-1, cfg.ipc, z.shape[-1])
-        dm = dm_loss(masked_mean(fr, valid), fs.mean(-2), held)
-        if match_logits:
-            dm = dm + dm_loss(masked_mean(zr, valid), zs.mean(-2), held)
-        total = dm
-        if logit_loss is not None:
-            extra = logit_loss(zs, labels, held)
-            total = total + extra
-        (grad,) = torch.autograd.grad(total.sum(), syn)
-        with torch.no_grad():
-            momentum.mul_(cfg.momentum).add_(grad)
-            syn.sub_(cfg.lr * momentum)
-            if clamp:
-                syn.clamp_(lo, hi)
+            fs = f.new_zeros(nc, h, cfg.ipc, f.shape[-1])
+            fs[held] = f.reshape(-1, cfg.ipc, f.shape[-1])
+            zs = z.new_zeros(nc, h, cfg.ipc, z.shape[-1])
+            zs[held] = z.reshape(-1, cfg.ipc, z.shape[-1])
+            dm = dm_loss(masked_mean(fr, valid), fs.mean(-2), held)
+            if match_logits:
+                dm = dm + dm_loss(masked_mean(zr, valid), zs.mean(-2), held)
+            total = dm
+            if logit_loss is not None:
+                extra = logit_loss(zs, labels, held)
+                total = total + extra
+            (grad,) = torch.autograd.grad(total.sum(), syn)
+            with torch.no_grad():
+                momentum.mul_(cfg.momentum).add_(grad)
+                syn.sub_(cfg.lr * momentum)
+                if clamp:
+                    syn.clamp_(lo, hi)
+            tick.advance()
+
     syn = syn.detach()
     syn_labels = labels.unsqueeze(-1).expand(nc, h, cfg.ipc)
     out_x = [syn[c][held[c]].reshape(-1, *shape).clone() for c in range(nc)]
@@ -828,7 +905,17 @@ def train_on_synthetic(
     )
     plan = plan_batches(data.train_idx, sgd.epochs, sgd.batch_size, [seed])
     cx = {k: v[None] for k, v in (ctx or {}).items()}
-    out, new_buffers, loss = train_clients(
-        fm, theta[None], buffers[None], data, plan, sgd, loss_fn=loss_fn, ctx=cx, vectorize=False
-    )
+    label = f"server: training on {y.numel()} synthetic images, {sgd.epochs} epochs"
+    with phase(label):
+        out, new_buffers, loss = train_clients(
+            fm,
+            theta[None],
+            buffers[None],
+            data,
+            plan,
+            sgd,
+            loss_fn=loss_fn,
+            ctx=cx,
+            vectorize=False,
+        )
     return out[0], new_buffers[0], loss[0]

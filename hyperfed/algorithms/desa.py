@@ -370,7 +370,9 @@ class DESAClient(SyntheticClient, PersonalModelClient):
 
 ALGORITHM = Algorithm(
     name="desa",
-    summary="DESA: synthetic anchors shared once, anchor SupCon + KD on others' logits (relay)",
+    summary="DESA: synthetic anchors shared once, anchor SupCon + KD on others' logits (relay)"
+    "; cost: the setup's distillation, distill_iters x clients x classes x (ipc + "
+    "distill_batch_real) images through distill_model",
     hparams=DESAParams,
     server=DESAServer,
     client=DESAClient,

@@ -41,6 +41,7 @@ from hyperfed.algorithms.base import (
     ServerContext,
 )
 from hyperfed.algorithms.mh_pfedhndd import (
+    DD_COST,
     DISTILL_SALT,
     DDParams,
     SyntheticClient,
@@ -50,6 +51,7 @@ from hyperfed.engine.local import cross_entropy_loss
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
+from hyperfed.progress import PhaseCost
 
 SYNTHETIC_KEYS = ("syn_x", "syn_y")
 
@@ -196,6 +198,9 @@ def plug_in(method: Algorithm) -> Algorithm:
         ) -> tuple[list[Payload], dict[str, Tensor], dict[str, Tensor]]:
             return self.distilled.setup(stage, group, msg, state)
 
+        def heavy_phases(self, group: ClientGroup) -> list[PhaseCost]:
+            return self.distilled.heavy_phases(group)
+
         def fit(
             self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
         ) -> tuple[Payload, dict[str, Tensor], Tensor]:
@@ -217,12 +222,17 @@ def plug_in(method: Algorithm) -> Algorithm:
     ComposedClient.__name__ = ComposedClient.__qualname__ = f"{name}_client"
     return Algorithm(
         name=name,
-        summary=f"{method.summary.split(':')[0]} + MH-pFedHNDD's distilled set (seed 003 Table 5)",
+        summary=f"{method.summary.split(':')[0]} + MH-pFedHNDD's distilled set (seed 003 Table 5)"
+        f"{DD_COST}",
         hparams=params,
         server=ComposedServer,
         client=ComposedClient,
         homogeneous_only=method.homogeneous_only,
         local_defaults=dict(method.local_defaults),
+        # the method's protocol, reference and search space hold for its plug-in too
+        scores=method.scores,
+        reference=method.reference,
+        tune=dict(method.tune),
     )
 
 

@@ -61,6 +61,8 @@ from hyperfed.algorithms.base import (
 from hyperfed.algorithms.dataset_distillation import (
     DistillConfig,
     check_padded_synthetic,
+    clients_text,
+    distill_cost,
     distill_matching,
     merge_synthetic,
     pad_by_class,
@@ -69,6 +71,7 @@ from hyperfed.algorithms.dataset_distillation import (
 )
 from hyperfed.engine.local import SGDConfig, client_seed
 from hyperfed.errors import ConfigError
+from hyperfed.progress import PhaseCost
 
 SAMPLE_SALT = 41  # seeds of the models sampled around w_t
 DISTILL_SALT = 43  # seeds of the clients' real-sample draws
@@ -196,6 +199,7 @@ class FedDMClient(Client):
             hp.distill_config(),
             seeds,
             match_logits=hp.match_logits,
+            label=f"round {group.rnd}: distilling synthetic sets",
         )
         padded = [pad_by_class(x, y, group.data.num_classes, hp.ipc) for x, y in zip(xs, ys)]
         reply = {
@@ -203,6 +207,19 @@ class FedDMClient(Client):
             "syn_y": torch.stack([p[1] for p in padded]),
         }
         return reply, state, stats["distill_dm_loss"].to(theta.device)
+
+    def heavy_phases(self, group: ClientGroup) -> list[PhaseCost]:
+        """Every round's distillation of ``group``'s clients, timed by a short probe (``hyperfed
+        run`` prints it before the run; the server's training on S comes on top)."""
+        hp: FedDMParams = self.hp
+        cfg = hp.distill_config()
+        seeds = [client_seed(group.seed, 1, c, DISTILL_SALT) for c in group.client_ids]
+        seconds = distill_cost(group.fm, group.data, group.client_ids, cfg, seeds, matching=True)
+        what = (
+            f"distillation every round: {clients_text(group.client_ids, group.data.num_clients)}"
+            f" x {cfg.iters} iterations of {group.fm.name} (ipc {cfg.ipc})"
+        )
+        return [PhaseCost(what, seconds, per_round=True)]
 
     def eval_model(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
@@ -212,7 +229,9 @@ class FedDMClient(Client):
 
 ALGORITHM = Algorithm(
     name="feddm",
-    summary="FedDM: clients send distribution-matched synthetic sets, the server trains on them",
+    summary="FedDM: clients send distribution-matched synthetic sets, the server trains on "
+    "them; cost: every round, distill_iters x clients x classes x (ipc + distill_batch_real) "
+    "images, then server_epochs over S",
     hparams=FedDMParams,
     server=FedDMServer,
     client=FedDMClient,

@@ -81,6 +81,8 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.dataset_distillation import (
     DistillConfig,
+    clients_text,
+    distill_cost,
     distill_synthetic,
     group_batches,
     merge_synthetic,
@@ -98,6 +100,7 @@ from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig, client_seed, plan_batches, train_clients
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
+from hyperfed.progress import PhaseCost, phase
 
 DISTILL = GLOBAL  # theta_d's hypernetwork slot (MH-pFedHNDD has no global model)
 DISTILL_SALT = 31  # seeds of the distillation phase
@@ -337,11 +340,14 @@ class FedAvgDDServer(SyntheticSetupServer, FedAvgServer):
     def aggregate_setup(self, stage: int, replies: dict[int, Payload]) -> None:
         super().aggregate_setup(stage, replies)
         if stage == 0 and self.hp.one_shot and self.syn_y.numel():
-            for key in self.theta:
-                fm = self.ctx.model_with(int(key))
-                self.theta[key], self.buffers[key] = self._train_on_synthetic(
-                    fm, self.theta[key], self.buffers[key]
-                )
+            label = f"server: one-shot training on S, {self.hp.one_shot_epochs} epochs per model"
+            with phase(label, len(self.theta)) as tick:
+                for key in self.theta:
+                    fm = self.ctx.model_with(int(key))
+                    self.theta[key], self.buffers[key] = self._train_on_synthetic(
+                        fm, self.theta[key], self.buffers[key]
+                    )
+                    tick.advance()
 
     def _train_on_synthetic(
         self, fm: FunctionalModel, theta: Tensor, buffers: Tensor
@@ -423,6 +429,7 @@ class SyntheticClient(Client):
                 self.hp.distill_config(),
                 seeds,
                 net_seed=group.seed,
+                label=f"distilling synthetic sets ({self.hp.distill_model})",
             )
             return [{"syn_x": x, "syn_y": y} for x, y in zip(xs, ys)], state, stats
         # stage 1: keep S (the same for every client: one storage, expanded)
@@ -433,6 +440,23 @@ class SyntheticClient(Client):
             "syn_y": y.expand(n, *y.shape[1:]),
         }
         return [{} for _ in range(n)], new_state, {}
+
+    def heavy_phases(self, group: ClientGroup) -> list[PhaseCost]:
+        """The setup's distillation of ``group``'s clients, timed by a short probe (``hyperfed
+        run`` prints it before the run). Its cost grows with ``distill_iters`` x the clients x
+        (``ipc`` + ``distill_batch_real``) x the classes a client holds, per ``distill_model``
+        forward and backward pass."""
+        hp = self.hp
+        cfg = hp.distill_config()
+        seeds = [client_seed(group.seed, 0, c, DISTILL_SALT) for c in group.client_ids]
+        fm = self.distill_fm
+        seconds = distill_cost(fm, group.data, group.client_ids, cfg, seeds)
+        what = (
+            f"setup distillation: {clients_text(group.client_ids, group.data.num_clients)} x "
+            f"{cfg.iters} iterations of {hp.distill_model} (ipc {cfg.ipc}, "
+            f"{cfg.batch_real} real per class)"
+        )
+        return [PhaseCost(what, seconds)]
 
     def synthetic_kwargs(
         self, group: ClientGroup, state: dict[str, Tensor], steps: int | None = None
@@ -488,12 +512,19 @@ class FedAvgDDClient(SyntheticClient, FedAvgClient):
         return msg["theta"], msg.get("buffers", state["buffers"])
 
 
+# what `hyperfed list algorithms` says drives the cost (configs/distill_cpu.toml: a CPU preset)
+DD_COST = (
+    "; cost: the setup's distillation, distill_iters x clients x classes x (ipc + "
+    "distill_batch_real) images through distill_model"
+)
+
 _LOCAL = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 1e-4, "epochs": 1}  # §4, §B.2
 
 ALGORITHMS = [
     Algorithm(
         name="mh_pfedhndd",
-        summary="MH-pFedHNDD: MH-pFedHN + distilled synthetic set and UniCon loss (seed 003)",
+        summary="MH-pFedHNDD: MH-pFedHN + distilled synthetic set and UniCon loss (seed 003)"
+        f"{DD_COST}",
         hparams=MHPFedHNDDParams,
         server=MHPFedHNDDServer,
         client=MHPFedHNDDClient,
@@ -501,7 +532,7 @@ ALGORITHMS = [
     ),
     Algorithm(
         name="pfedhn_dd",
-        summary="pFedHN + MH-pFedHNDD's distilled set (seed 003, Table 5)",
+        summary=f"pFedHN + MH-pFedHNDD's distilled set (seed 003, Table 5){DD_COST}",
         hparams=PFedHNDDParams,
         server=MHPFedHNDDServer,
         client=MHPFedHNDDClient,
@@ -509,7 +540,7 @@ ALGORITHMS = [
     ),
     Algorithm(
         name="fedavg_dd",
-        summary="FedAvg + MH-pFedHNDD's distilled set; one_shot: Table 9 (seed 003)",
+        summary=f"FedAvg + MH-pFedHNDD's distilled set; one_shot: Table 9 (seed 003){DD_COST}",
         hparams=FedAvgDDParams,
         server=FedAvgDDServer,
         client=FedAvgDDClient,

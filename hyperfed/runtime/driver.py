@@ -40,6 +40,7 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import EVAL_REQUEST, Payload, Server, payload_bytes
 from hyperfed.engine.local import measured_flops
+from hyperfed.progress import phase
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.rundir import RunDir
 
@@ -254,7 +255,8 @@ class RoundDriver:
                 f"setup {stage}",
             )
             rejected += bad
-            self.server.aggregate_setup(stage, accepted)
+            with phase(f"server: setup stage {stage}"):
+                self.server.aggregate_setup(stage, accepted)
             stage += 1
         if stage == 0:
             return {}
@@ -289,7 +291,8 @@ class RoundDriver:
         accepted, rejected = self._validate(
             got.replies, self.server.check_reply, f"round {rnd}: update"
         )
-        server_flops += measured_flops(self.server.aggregate, rnd, accepted)[1]
+        with phase(f"server: aggregating round {rnd}"):  # e.g. a server that trains
+            server_flops += measured_flops(self.server.aggregate, rnd, accepted)[1]
         train_loss, diverged = loss_summary(got.losses, self.transport.reference)
         return RoundResult(
             clients=cids,

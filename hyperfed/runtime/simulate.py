@@ -20,6 +20,7 @@ from torch import Tensor
 
 from hyperfed.algorithms import get_algorithm
 from hyperfed.algorithms.base import (
+    EVAL_REQUEST,
     Algorithm,
     Client,
     ClientContext,
@@ -35,6 +36,7 @@ from hyperfed.data.federated import FederatedData, federate
 from hyperfed.engine.local import FlopMeter, FlopSum, SGDConfig, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.models.zoo import ModelInputError, build_model, check_input
+from hyperfed.progress import PhaseCost, phase
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver, RoundResult
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.parallel import (
@@ -231,17 +233,20 @@ class InMemoryTransport:
     def setup(self, stage: int, msgs: dict[int, Payload]) -> Exchange:
         out = Exchange({})
         stats: dict[str, list[Tensor]] = {}
-        for name, part in self._by_group(msgs):
-            replies, state, st = self.client.setup(
-                stage,
-                self.make_group(name, part, 0),
-                stack_payloads([msgs[c] for c in part]),
-                self.states(part),
-            )
-            self._put(part, state)
-            out.replies.update(zip(part, replies))
-            for k, v in st.items():
-                stats.setdefault(k, []).append(v.detach().float().reshape(-1).cpu())
+        what = "evaluation request" if stage == EVAL_REQUEST else f"setup stage {stage}"
+        with phase(f"{what}: clients", len(msgs)) as tick:
+            for name, part in self._by_group(msgs):
+                replies, state, st = self.client.setup(
+                    stage,
+                    self.make_group(name, part, 0),
+                    stack_payloads([msgs[c] for c in part]),
+                    self.states(part),
+                )
+                self._put(part, state)
+                out.replies.update(zip(part, replies))
+                for k, v in st.items():
+                    stats.setdefault(k, []).append(v.detach().float().reshape(-1).cpu())
+                tick.advance(len(part))
         out.stats = {k: torch.cat(vs) for k, vs in stats.items()}
         return out
 
@@ -391,6 +396,16 @@ class Simulation:
     def run_round(self, rnd: int) -> RoundResult:
         with channels_last(self.nhwc):
             return self.driver.run_round(rnd)
+
+    def heavy_phases(self) -> list[PhaseCost]:
+        """What the client role's known heavy phases (``Client.heavy_phases(group)``, where a
+        method has them: the distillation methods) will cost, per architecture group, from a
+        short timed probe on this machine; empty for other methods."""
+        probe = getattr(self.client, "heavy_phases", None)
+        if probe is None:
+            return []
+        with channels_last(self.nhwc):
+            return [c for n, cids in self.groups.items() for c in probe(self.group(n, cids, 1))]
 
     def run_setup(self) -> dict[str, Any]:
         """The one-off setup exchanges before round 1 (base.py); their bytes count."""

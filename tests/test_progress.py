@@ -1,0 +1,189 @@
+"""Progress and cost estimates of long phases (issue 40): hyperfed.progress, the distillation
+phase's reports, the timed-probe estimate, the CLI's nested bars and plain lines."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import torch
+from cli_helpers import invoke, sets
+from rich.console import Console
+from rich.progress import Progress
+
+from hyperfed import progress
+from hyperfed.config import load_config
+from hyperfed.progress import LineReporter, phase, reporting
+
+# a distillation method on a hand-sized federation: one LeNet group of two clients
+TINY = [
+    "device=cpu",
+    "dataset.name=digits",
+    "dataset.subsample=200",
+    "clients.count=2",
+    "clients.models=lenet",
+    "algorithm.name=mh_pfedhndd",
+    "algorithm.mh_pfedhndd.distill_model=lenet",
+    "algorithm.mh_pfedhndd.distill_batch_real=8",
+    "algorithm.mh_pfedhndd.ipc=2",
+    "local.epochs=1",
+    "rounds=1",
+]
+
+
+def simulation(iters: int, extra: list[str] | None = None):
+    from hyperfed.runtime.simulate import Simulation
+
+    sets_ = [*TINY, f"algorithm.mh_pfedhndd.distill_iters={iters}", *(extra or [])]
+    return Simulation(load_config(None, sets_))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_line_reporter_prints_every_tenth_with_an_eta() -> None:
+    lines: list[str] = []
+    clock = Clock()
+    rep = LineReporter(lines.append, every_s=1000, quiet_s=0, clock=clock)
+    with reporting(rep), phase("work", 20) as p:
+        for _ in range(20):
+            clock.now += 1.0
+            p.advance()
+    rep.close()
+    # 20 units, a line per 10%: at 2, 4, ..., 20 done, then "done"
+    assert len(lines) == 11
+    assert lines[0] == "work: 2/20 (10%), 2 s, eta 18 s"  # 1 s per unit, 18 units left
+    assert lines[4] == "work: 10/20 (50%), 10 s, eta 10 s"
+    assert lines[-1] == "work: done in 20 s"
+
+
+def test_line_reporter_keeps_short_phases_quiet_and_throttles_by_time() -> None:
+    lines: list[str] = []
+    clock = Clock()
+    rep = LineReporter(lines.append, every_s=30, quiet_s=2, clock=clock)
+    with reporting(rep):
+        with phase("short", 10) as p:  # 1 s in all: below quiet_s, nothing printed
+            for _ in range(10):
+                clock.now += 0.1
+                p.advance()
+        assert lines == []
+        with phase("long", 1000) as p:  # 1% per 40 s: a line per 30 s, not per 10%
+            for _ in range(3):
+                clock.now += 40
+                p.advance()
+    rep.close()
+    assert [ln.split(":")[0] for ln in lines] == ["long"] * 4
+    assert lines[0].startswith("long: 1/1000 (0%), 40 s, eta 11 h")
+
+
+def test_heartbeat_reports_a_phase_without_ticks() -> None:
+    lines: list[str] = []
+    with (
+        LineReporter(lines.append, every_s=0.05, quiet_s=0) as rep,
+        reporting(rep),
+        phase("server: training"),
+    ):
+        time.sleep(0.3)
+    assert any(ln.startswith("server: training: running") for ln in lines)
+    assert lines[-1].startswith("server: training: done in")
+
+
+def test_no_reporter_no_output_and_nesting_depth() -> None:
+    with phase("anything", 3) as p:  # Flower, sweep workers: no reporter installed
+        p.advance()
+    seen: list[tuple[str, int]] = []
+
+    class Rec:
+        def open(self, label: str, total: int | None, depth: int) -> progress.Phase:
+            seen.append((label, depth))
+            return progress._SILENT
+
+    with reporting(Rec()), phase("outer"), phase("inner"):
+        pass
+    with reporting(Rec()), phase("again"):
+        pass
+    assert seen == [("outer", 0), ("inner", 1), ("again", 0)]
+
+
+def test_distillation_setup_reports_progress_lines_off_a_terminal() -> None:
+    sim = simulation(iters=20)
+    lines: list[str] = []
+    with LineReporter(lines.append, every_s=1000, quiet_s=0) as rep, reporting(rep):
+        sim.run_setup()
+    distill = [ln for ln in lines if ln.startswith("distilling synthetic sets (lenet)")]
+    # one group of two clients, 20 iterations: 10 lines (each 10%) and "done"
+    assert len(distill) == 11, lines
+    assert "clients 0-1 of 2" in distill[0] and "2/20 (10%)" in distill[0]
+    assert "20/20 (100%)" in distill[-2] and "done in" in distill[-1]
+    assert any(ln.startswith("setup stage 0: clients: 2/2") for ln in lines)
+
+
+def test_estimate_within_a_factor_of_three_of_the_measured_phase() -> None:
+    # enough iterations that the distillation takes ~1-2 s (ratio stable on a busy machine)
+    sim = simulation(100)
+    costs = sim.heavy_phases()
+    assert len(costs) == 1 and not costs[0].per_round
+    assert "2 clients" in costs[0].what or "clients 0-1 of 2" in costs[0].what
+    assert "100 iterations of lenet" in costs[0].what
+    t0 = time.perf_counter()
+    sim.run_setup()
+    measured = time.perf_counter() - t0
+    assert measured > 0.5  # a phase long enough to compare with
+    ratio = costs[0].seconds / measured
+    assert 1 / 3 < ratio < 3, (costs[0].seconds, measured)
+
+
+def test_the_probe_leaves_the_run_as_it_was() -> None:
+    a = simulation(iters=5)
+    a.heavy_phases()
+    torch.manual_seed(123)
+    ra = a.run_setup()
+    b = simulation(iters=5)
+    torch.manual_seed(123)
+    rb = b.run_setup()
+    sa, sb = a.store[0], b.store[0]
+    assert ra["setup"]["distill_dm_loss_mean"] == rb["setup"]["distill_dm_loss_mean"]
+    assert torch.equal(sa["syn_x"], sb["syn_x"])
+
+
+def test_rich_phase_is_a_nested_task_shown_after_a_delay() -> None:
+    from hyperfed.terminal import RichPhases
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    with Progress(console=console) as bars:
+        bars.add_task("round", total=2)
+        rep = RichPhases(bars, show_after=0.05)
+        with reporting(rep), phase("distilling", 10) as p:
+            (task,) = [t for t in bars.tasks if "distilling" in t.description]
+            assert not task.visible and task.description.startswith("└ distilling")
+            p.advance(3)
+            time.sleep(0.2)
+            assert task.visible and task.completed == 3
+        assert [t.description for t in bars.tasks] == ["round"]
+
+
+def test_run_prints_an_estimate_and_progress_lines(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(progress, "QUIET_S", 0.0)
+    args = sets([*TINY, "algorithm.mh_pfedhndd.distill_iters=10"])
+    result = invoke("run", *args, "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "estimate: setup distillation: clients 0-1 of 2 x 10 iterations of lenet" in out
+    assert "on this machine" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("distilling synthetic sets")]
+    assert len(lines) == 11, out  # off a terminal: a line per 10% and "done"
+    assert out.index("estimate:") < out.index("distilling") < out.index("round 1/1")
+
+
+@pytest.mark.parametrize("name", ["mh_pfedhndd", "feddm", "desa", "fedbn_dd", "fedavg_dd"])
+def test_list_algorithms_names_the_cost_drivers(name: str) -> None:
+    from hyperfed.algorithms import get_algorithm
+
+    summary = get_algorithm(name).summary
+    assert "cost:" in summary and "distill_iters" in summary
