@@ -1,16 +1,22 @@
 """FedFomo (Zhang et al., ICLR 2021) against its federated update and model selection.
 
-Eq. 4: ``w_n = (L_i(theta_i) - L_i(theta_n)) / ||theta_n - theta_i||`` on client i's
-validation split; Eq. 5-6: ``theta_i <- theta_i + sum_n w+_n (theta_n - theta_i)`` with
-``w+ = max(w, 0) / sum max(w, 0)`` (no positive weight: theta_i unchanged); then local SGD on
-the train split. §3.3: the server sends the M models of highest affinity P_in (epsilon-greedy)
-and adds the raw w_n to P_in.
+Eq. 4: ``w_n = (L_i(theta_i^{t-1}) - L_i(theta_n)) / ||theta_n - theta_i^{t-1}||`` on client
+i's validation split; Eq. 5-6: ``theta_i^t = theta_i^{t-1} + sum_n w+_n (theta_n -
+theta_i^{t-1})`` with ``w+ = max(w, 0) / sum max(w, 0)`` (no positive weight: theta_i^{t-1});
+then local SGD on the train split. As in the authors' code (NVlabs/FedFomo) and PFLlib,
+theta_i^{t-1} is where the client's last local training began and its own current (trained)
+model is one candidate next to the M downloads (``include_own=False``: the current model is
+the reference point, only downloads are candidates). §3.3: the server sends the M models of
+highest affinity P_in (epsilon-greedy) and adds the raw w_n to P_in.
 
 Model: z = x W^T + b, ``theta = [W (C x D), b]``; losses and gradients by hand.
 """
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -69,47 +75,76 @@ def _split(data: FederatedData, c: int, split: str) -> tuple[Tensor, Tensor]:
     return data.x[idx], data.y[idx]
 
 
-def _candidates(fm: FunctionalModel, data: FederatedData) -> tuple[Tensor, Tensor]:
-    """Per client: its own model and 3 downloads -- two that lower its validation loss (steps
-    of different lengths down its val gradient plus noise) and one that raises it."""
+def _candidates(fm: FunctionalModel, data: FederatedData) -> tuple[Tensor, Tensor, Tensor]:
+    """Per client: its own model, the model its last training started from (``anchor``: a step
+    up its val gradient, so its own training lowered the val loss) and 3 downloads -- two that
+    lower its validation loss (steps of different lengths down its val gradient plus noise)
+    and one that raises it."""
     g = torch.Generator().manual_seed(5)
     own = fm.initial_params() + 0.3 * torch.randn(2, fm.num_params, generator=g).double()
-    models = []
+    models, anchors = [], []
     for c in range(2):
         gv = _ce_grad(own[c], *_split(data, c, "val"))
-        noise = 0.05 * torch.randn(3, fm.num_params, generator=g).double()
+        noise = 0.05 * torch.randn(4, fm.num_params, generator=g).double()
         steps = torch.stack([-2.0 * gv, -5.0 * gv, 4.0 * gv])
-        models.append(own[c] + steps + noise)
-    return own, torch.stack(models)
+        models.append(own[c] + steps + noise[:3])
+        anchors.append(own[c] + 1.5 * gv + noise[3])
+    return own, torch.stack(anchors), torch.stack(models)
 
 
-def _client(**hp: float) -> FedFomoClient:
+def _client(**hp: object) -> FedFomoClient:
     return FedFomoClient(FedFomoParams(**hp), ClientContext(0, CPU, C, (D,)))  # type: ignore[arg-type]
 
 
-def _expected_update(own: Tensor, models: Tensor, x: Tensor, y: Tensor, mask: Tensor) -> tuple:
-    """Eq. 4-6 by hand for one client: (raw weights, updated theta)."""
-    w = torch.zeros(models.shape[0], dtype=torch.float64)
-    for n in range(models.shape[0]):
+def _expected_update(base: Tensor, cands: Tensor, x: Tensor, y: Tensor, mask: Tensor) -> tuple:
+    """Eq. 4-6 by hand for one client: (raw weights, updated theta) from reference ``base``."""
+    w = torch.zeros(cands.shape[0], dtype=torch.float64)
+    for n in range(cands.shape[0]):
         if mask[n] > 0:
-            gain = _ce(own, x, y) - _ce(models[n], x, y)
-            w[n] = gain / torch.sqrt(((models[n] - own) ** 2).sum())
+            gain = _ce(base, x, y) - _ce(cands[n], x, y)
+            w[n] = gain / torch.sqrt(((cands[n] - base) ** 2).sum())
     pos = w.clamp(min=0)
-    theta = own.clone()
+    theta = base.clone()
     if pos.sum() > 0:
-        for n in range(models.shape[0]):
-            theta = theta + pos[n] / pos.sum() * (models[n] - own)
+        for n in range(cands.shape[0]):
+            theta = theta + pos[n] / pos.sum() * (cands[n] - base)
     return w, theta
 
 
-def test_update_weights_are_validation_loss_gain_per_distance_normalized_positive() -> None:
-    """Eq. 4-6 with lr = 0 (no local training): the kept model is the update itself; the
-    harmful download gets a negative raw weight and no share; the raw weights go back."""
-    fm, data = _linear(), _data()
-    own, models = _candidates(fm, data)
-    client = _client()
+def _state(client: FedFomoClient, fm: FunctionalModel, own: Tensor, anchor: Tensor) -> dict:
     state = client.init_state(fm, 2)
-    state["theta"] = own.clone()
+    state["theta"], state["anchor"] = own.clone(), anchor.clone()
+    return state
+
+
+def test_own_model_is_a_weighted_candidate_measured_from_where_training_began() -> None:
+    """Default (authors' code): reference theta_i^{t-1} = the anchor, candidates = own model
+    + 3 downloads; lr = 0 (no local training) so the kept model is the update itself; the
+    raw weights of the 3 downloads go back, the update is the next anchor."""
+    fm, data = _linear(), _data()
+    own, anchor, models = _candidates(fm, data)
+    client = _client()
+    state = _state(client, fm, own, anchor)
+    mask = torch.ones(2, 3)
+    reply, new_state, _ = client.fit(_group(fm, data, 0.0), {"models": models, "mask": mask}, state)
+    for c in range(2):
+        x, y = _split(data, c, "val")
+        cands = torch.cat([own[c][None], models[c]])
+        w, theta = _expected_update(anchor[c], cands, x, y, torch.ones(4))
+        assert (w[:3] > 0).all() and w[3] < 0  # own and two downloads help, one harms
+        assert torch.allclose(reply["weights"][c], w[1:], atol=1e-10)
+        assert torch.allclose(new_state["theta"][c], theta, atol=1e-10)
+        assert torch.allclose(new_state["anchor"][c], theta, atol=1e-10)
+        assert torch.allclose(reply["theta"][c], theta, atol=1e-10)
+
+
+def test_exclude_own_weights_the_downloads_against_the_current_model() -> None:
+    """include_own=False: reference = the current theta_i, candidates = the downloads only;
+    the harmful download gets a negative raw weight and no share."""
+    fm, data = _linear(), _data()
+    own, anchor, models = _candidates(fm, data)
+    client = _client(include_own=False)
+    state = _state(client, fm, own, anchor)
     mask = torch.ones(2, 3)
     reply, new_state, _ = client.fit(_group(fm, data, 0.0), {"models": models, "mask": mask}, state)
     for c in range(2):
@@ -118,36 +153,117 @@ def test_update_weights_are_validation_loss_gain_per_distance_normalized_positiv
         assert (w[:2] > 0).all() and w[2] < 0  # the construction gives both signs
         assert torch.allclose(reply["weights"][c], w, atol=1e-10)
         assert torch.allclose(new_state["theta"][c], theta, atol=1e-10)
-        assert torch.allclose(reply["theta"][c], theta, atol=1e-10)
 
 
-def test_no_helpful_download_leaves_the_model_unchanged() -> None:
-    """All w_n <= 0: theta_i^t = theta_i^{t-1} (the harmful model is not mixed in)."""
+def test_exclude_own_without_a_helpful_download_leaves_the_model_unchanged() -> None:
+    """include_own=False, all w_n <= 0: theta_i^t = theta_i (the harmful model is not mixed
+    in)."""
     fm, data = _linear(), _data()
-    own, models = _candidates(fm, data)
-    client = _client()
-    state = client.init_state(fm, 2)
-    state["theta"] = own.clone()
+    own, anchor, models = _candidates(fm, data)
+    client = _client(include_own=False)
+    state = _state(client, fm, own, anchor)
     mask = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])  # only the harmful download
     reply, new_state, _ = client.fit(_group(fm, data, 0.0), {"models": models, "mask": mask}, state)
     assert torch.allclose(new_state["theta"], own, atol=1e-12)
     assert (reply["weights"][:, :2] == 0).all() and (reply["weights"][:, 2] < 0).all()
 
 
-def test_local_training_is_sgd_on_the_train_split_from_the_updated_model() -> None:
-    """After the federated update, one full-batch SGD step on the *train* split."""
+@pytest.mark.parametrize("fallback", [None, "start"])  # None: the default, "own"
+def test_no_candidate_better_than_where_training_began(fallback: str | None) -> None:
+    """Own model and the only download both raise the loss over the anchor: all w_n <= 0;
+    fallback="own" (PFLlib, default) keeps the current model, "start" (authors' code) returns
+    to theta_i^{t-1}, the anchor."""
     fm, data = _linear(), _data()
-    own, models = _candidates(fm, data)
+    own, _, models = _candidates(fm, data)
+    client = _client(**({} if fallback is None else {"fallback": fallback}))
+    state = _state(client, fm, models[:, 2], own)  # own model: the harmful one; anchor: own
+    mask = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    bad = models.clone()
+    bad[:, 2] = 2 * models[:, 2] - own  # further up the val gradient than the own model
+    reply, new_state, _ = client.fit(_group(fm, data, 0.0), {"models": bad, "mask": mask}, state)
+    kept = own if fallback == "start" else models[:, 2]
+    assert torch.allclose(new_state["theta"], kept, atol=1e-12)
+    assert torch.allclose(new_state["anchor"], kept, atol=1e-12)
+    assert (reply["weights"][:, :2] == 0).all() and (reply["weights"][:, 2] < 0).all()
+
+
+def test_local_training_is_sgd_on_the_train_split_from_the_updated_model() -> None:
+    """After the federated update, one full-batch SGD step on the *train* split; the update
+    (not the trained model) is kept as the next round's reference point."""
+    fm, data = _linear(), _data()
+    own, anchor, models = _candidates(fm, data)
     client = _client()
-    state = client.init_state(fm, 2)
-    state["theta"] = own.clone()
+    state = _state(client, fm, own, anchor)
     mask = torch.ones(2, 3)
     lr = 0.3
-    reply, _, _ = client.fit(_group(fm, data, lr), {"models": models, "mask": mask}, state)
+    reply, new_state, _ = client.fit(_group(fm, data, lr), {"models": models, "mask": mask}, state)
     for c in range(2):
-        _, theta = _expected_update(own[c], models[c], *_split(data, c, "val"), mask[c])
+        cands = torch.cat([own[c][None], models[c]])
+        _, theta = _expected_update(anchor[c], cands, *_split(data, c, "val"), torch.ones(4))
         expected = theta - lr * _ce_grad(theta, *_split(data, c, "train"))
         assert torch.allclose(reply["theta"][c], expected, atol=1e-10)
+        assert torch.allclose(new_state["theta"][c], expected, atol=1e-10)
+        assert torch.allclose(new_state["anchor"][c], theta, atol=1e-10)
+
+
+# Hand example: one class-0 validation sample at x = 0, so the loss of theta = [W (2 x 1), b]
+# is softplus(b1 - b0) -- set by b alone -- while W moves the distance.
+ANCHOR = [0.0, 0.0, 0.0, 0.0]  # L = log 2
+OWN = [0.0, 0.0, 1.0, 0.0]  # L = softplus(-1) = 0.3133, distance 1
+BARELY = [0.3, 0.0, 1.1, 0.0]  # L = softplus(-1.1) = 0.2873: barely better than OWN
+HARMFUL = [0.0, 0.4, -1.0, 0.0]  # L = softplus(1) = 1.3133
+
+
+def _hand_fit(include_own: bool) -> Tensor:
+    torch.manual_seed(0)
+    fm = FunctionalModel(ZooNet(nn.Identity(), (1,), 2).double(), "lin1")
+    x = torch.zeros(2, 1, dtype=torch.float64)
+    y = torch.tensor([0, 1])
+    train, val = [torch.tensor([1])], [torch.tensor([0])]
+    none = torch.zeros(0)
+    data = FederatedData(x, y, train, val, train, 2, (1,), none, none, dtype=torch.float64)
+    sgd = SGDConfig(lr=0.0, momentum=0.0, weight_decay=0.0, epochs=1, batch_size=4)
+    group = ClientGroup(fm, [0], data, rnd=1, seed=0, sgd=sgd, vectorize=False)
+    client = FedFomoClient(FedFomoParams(include_own=include_own), ClientContext(0, CPU, 2, (1,)))
+    state = client.init_state(fm, 1)
+    state["theta"] = torch.tensor([OWN], dtype=torch.float64)
+    state["anchor"] = torch.tensor([ANCHOR], dtype=torch.float64)
+    msg = {"models": torch.tensor([[BARELY, HARMFUL]], dtype=torch.float64),
+           "mask": torch.ones(1, 2)}  # fmt: skip
+    _, new_state, _ = client.fit(group, msg, state)
+    return new_state["theta"][0]
+
+
+def _loss(theta: list[float]) -> float:
+    return math.log1p(math.exp(theta[3] - theta[2]))
+
+
+def test_hand_example_own_and_two_downloads_weights_and_update() -> None:
+    """Python floats: w_n = (L(anchor) - L(theta_n)) / ||theta_n - anchor||, negative ones
+    dropped, normalized; theta = anchor + sum_n w_n (theta_n - anchor)."""
+    assert abs(_loss(ANCHOR) - math.log(2)) < 1e-15
+    raw = [(_loss(ANCHOR) - _loss(m)) / math.dist(m, ANCHOR) for m in (OWN, BARELY, HARMFUL)]
+    assert abs(raw[0] - 0.379885) < 1e-6 and abs(raw[1] - 0.355921) < 1e-6 and raw[2] < 0
+    share = [max(r, 0.0) / (max(raw[0], 0.0) + max(raw[1], 0.0)) for r in raw]
+    expected = [
+        a + sum(s * (m[k] - a) for s, m in zip(share, (OWN, BARELY, HARMFUL), strict=True))
+        for k, a in enumerate(ANCHOR)
+    ]
+    got = _hand_fit(include_own=True)
+    assert torch.allclose(got, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+
+
+def test_a_download_barely_better_on_validation_no_longer_replaces_the_model() -> None:
+    """BARELY beats the own model by 0.026 in validation loss. Excluding the own model, it
+    gets weight 1 and replaces it; with the own model a candidate (default), the own model
+    keeps about half the share (0.516 by hand), so the result is far from BARELY."""
+    assert _loss(BARELY) < _loss(OWN) < _loss(ANCHOR) and _loss(OWN) - _loss(BARELY) < 0.03
+    replaced = _hand_fit(include_own=False)
+    assert torch.allclose(replaced, torch.tensor(BARELY, dtype=torch.float64), atol=1e-12)
+    mixed = _hand_fit(include_own=True)
+    gap = math.dist(OWN, BARELY)
+    assert float((mixed - torch.tensor(BARELY, dtype=torch.float64)).norm()) > 0.4 * gap
+    assert float((mixed - torch.tensor(OWN, dtype=torch.float64)).norm()) > 0.4 * gap
 
 
 def test_without_a_val_split_a_fixed_share_of_train_is_held_out() -> None:
@@ -167,6 +283,13 @@ def test_without_a_val_split_a_fixed_share_of_train_is_held_out() -> None:
     assert torch.equal(out.train_idx[1], train[1]) and torch.equal(out.val_idx[1], val[1])
     again = with_validation(data, [0], 0.2, seed=4)
     assert torch.equal(again.val_idx[0], out.val_idx[0])
+
+
+def test_bad_include_own_or_fallback_is_rejected() -> None:
+    with pytest.raises(ValueError, match="include_own must be true or false"):
+        FedFomoParams(include_own="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fallback must be one of own, start"):
+        FedFomoParams(fallback="anchor")
 
 
 def _server(n: int, **hp: float) -> FedFomoServer:
@@ -221,10 +344,9 @@ def test_server_stores_uploads_and_adds_raw_weights_to_affinity() -> None:
 def test_clients_are_evaluated_with_their_own_updated_model() -> None:
     """The personalized model is theta_i (kept by the client), not any downloaded model."""
     fm, data = _linear(), _data()
-    own, models = _candidates(fm, data)
+    own, anchor, models = _candidates(fm, data)
     client = _client()
-    state = client.init_state(fm, 2)
-    state["theta"] = own.clone()
+    state = _state(client, fm, own, anchor)
     reply, state, _ = client.fit(
         _group(fm, data, 0.1), {"models": models, "mask": torch.ones(2, 3)}, state
     )

@@ -8,17 +8,34 @@ P (N x N, P_in: how useful client n's model has been to client i). Round t:
    clients that have uploaded one, i itself excluded: slot by slot, with probability
    eps_t = max(0, eps - t * eps_decay) a random remaining client (exploration), otherwise the
    remaining client of highest affinity P_in (ties broken at random).
-2. Federated update (§3.2, Eq. 4-6): on its local *validation* split client i computes, for
-   each downloaded theta_n,
+2. Federated update (§3.2, Eq. 4-6). The reference point theta_i^{t-1} is the model client i
+   started its previous local training from (its last federated update; the initialization
+   before its first round), and the candidates are the M downloads *and the client's own
+   current model* theta_i (theta_i^{t-1} after that local training) -- as in the authors' code
+   (NVlabs/FedFomo: the federating set is ``[self] + M others``, compared against
+   ``first_model``, the model saved when local training began) and PFLlib (the server's
+   affinity row starts as the identity, so a client's own upload is among the models it
+   receives, compared against ``old_model``, the model it trained from). On its local
+   *validation* split client i computes, for each candidate theta_n,
        w_n = (L_i(theta_i^{t-1}) - L_i(theta_n)) / ||theta_n - theta_i^{t-1}||_2,
    the loss decrease per unit of distance along theta_n - theta_i^{t-1} (a first-order
    approximation of the directional derivative); keeps only helpful models and normalizes,
        w_n <- max(w_n, 0) / sum_m max(w_m, 0),
    and updates
        theta_i^t = theta_i^{t-1} + sum_n w_n (theta_n - theta_i^{t-1}).
-   If no downloaded model lowers the loss (all w_n <= 0), theta_i is left as it was.
+   Its own local progress is thus one weighted candidate: a download barely better on
+   validation than the client's own model gets about the same share, it does not replace the
+   model (a candidate equal to theta_i^{t-1}, e.g. before any training, gets w = 0). If no
+   candidate lowers the loss (all w_n <= 0), the client keeps its current model theta_i
+   (``fallback="own"``, PFLlib's rule) or returns to theta_i^{t-1} (``fallback="start"``, the
+   authors' code: it discards the last local training).
+   ``include_own=False`` is the other reading (hyperfed before issue 35): the reference point
+   is the current theta_i and only the downloads are candidates, so one download slightly
+   better than theta_i gets weight 1 and replaces it; no helpful download keeps theta_i.
 3. Local training: E epochs of SGD from theta_i^t on the local train split; theta_i is kept
-   (it is what the client is evaluated with) and uploaded, together with the raw w_n.
+   (it is what the client is evaluated with) and uploaded, together with the raw w_n of the
+   M downloads (the own model's weight stays on the client); theta_i^t is kept as the next
+   round's reference point.
 4. Server: stores the upload as client i's model and adds the raw w_n to P_in (§3.3, the
    affinity the next selection ranks by; a model that raised i's loss is ranked down).
 
@@ -35,6 +52,26 @@ Choices the paper leaves open (or where hyperfed differs):
   with client i's own statistics.
 * Which w_n update P: the raw (signed, unnormalized) ones.
 * Exploration: eps and its per-round decay follow the authors' code (0.3, 0.05), M = 5.
+* Defaults of ``include_own`` and ``fallback``, chosen on a validation split (issue 35). Mean
+  ``val_mean_acc`` over seeds 0, 1, 2, at the final round 20 / averaged over rounds 16-20.
+  Q: ``hyperfed run --set dataset.name=digits --set dataset.subsample=600 --set
+  clients.count=6 --set clients.models=lenet --set rounds=20 --set eval_every=1 --set
+  local.epochs=1 --set local.batch_size=16 --set partition.name=quantity --set
+  partition.classes_per_client=2 --set partition.val_fraction=0.15 --set algorithm.name=fedfomo
+  --set seed=S --set algorithm.include_own=... --set algorithm.fallback=...``; D: the same
+  with ``dataset.subsample=1200 clients.count=10 local.epochs=2 partition.name=dirichlet
+  partition.alpha=0.3``. So that the method never saw the split it was scored on, these runs
+  computed the weights on a ``val_holdout`` share of the train split (a wrapper that hid the
+  partition's val split from ``with_validation``; not part of the package).
+
+      include_own, fallback     Q final / last 5     D final / last 5
+      True, "own"  (default)    0.856 / 0.852        0.872 / 0.872
+      True, "start" (authors)   0.798 / 0.766        0.830 / 0.808
+      False (downloads only)    0.894 / 0.853        0.857 / 0.866
+
+  Returning to the start discards the last local training and is clearly worse on both:
+  ``fallback="own"``. With or without the own model no reading is clearly better (Q's final
+  round favours False, its last-5 mean ties, D favours True): the authors' reading stays.
 """
 
 from __future__ import annotations
@@ -58,18 +95,29 @@ from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import client_seed, evaluate_clients
 from hyperfed.models.layout import FunctionalModel
 
+# what a client keeps when no candidate lowers its validation loss below theta_i^{t-1}'s:
+# its own current model (PFLlib) or theta_i^{t-1}, where its last local training began (authors)
+FALLBACKS = ("own", "start")
+
 
 @dataclass
 class FedFomoParams:
     """num_models: M, models downloaded per client and round; epsilon / epsilon_decay: the
     exploration probability of the selection at round 1 and its linear decay per round;
     val_holdout: share of the training samples held out for validation when the partition
-    has no validation split."""
+    has no validation split; include_own: the client's own current model is a weighted
+    candidate measured from the model its last local training started from (True, the
+    authors' code), or the reference point with only the downloads as candidates (False);
+    fallback: what a client keeps when no candidate lowers its validation loss -- "own", its
+    current model (PFLlib), or "start", the model its last local training began from (the
+    authors' code; differs from "own" only with include_own)."""
 
     num_models: int = chosen(5, "PFLlib's FedFomo default (-M 5); no paper default on disk")
     epsilon: float = chosen(0.3, "authors' code, CLIENT_WEIGHT.EPSILON")
     epsilon_decay: float = chosen(0.05, "authors' code, CLIENT_WEIGHT.EPSILON_DECAY")
     val_holdout: float = chosen(0.2, "authors' code, CLIENT.VAL_SPLIT; only without a val split")
+    include_own: bool = chosen(True, "authors' code and PFLlib; validation: no clear winner")
+    fallback: str = chosen("own", "PFLlib; validation beats the authors' 'start' (docstring)")
 
     def __post_init__(self) -> None:
         if self.num_models < 1:
@@ -81,6 +129,12 @@ class FedFomoParams:
             )
         if not 0.0 < self.val_holdout < 1.0:
             raise ValueError(f"val_holdout must be in (0, 1) (got {self.val_holdout})")
+        if not isinstance(self.include_own, bool):
+            raise ValueError(f"include_own must be true or false (got {self.include_own!r})")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(
+                f"fallback must be one of {', '.join(FALLBACKS)} (got {self.fallback!r})"
+            )
 
 
 def with_validation(
@@ -192,31 +246,44 @@ class FedFomoServer(Server):
 
 
 class FedFomoClient(PersonalModelClient):
+    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
+        state = super().init_state(fm, num_clients)
+        state["anchor"] = state["theta"].clone()  # theta_i^{t-1}: where local training began
+        return state
+
     def fit(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[Payload, dict[str, Tensor], Tensor]:
         hp: FedFomoParams = self.hp
         data = with_validation(group.data, group.client_ids, hp.val_holdout, group.seed)
         theta, buffers = state["theta"], state["buffers"]
-        models, mask = msg["models"].to(theta), msg["mask"]
-        ids = group.client_ids
-        weights = torch.zeros(mask.shape, device=theta.device)
-        if bool((mask > 0).any()):
-            loss_own = validation_loss(group.fm, theta, buffers, data, ids)
-            loss_others = torch.stack(
-                [
-                    validation_loss(group.fm, models[:, m], buffers, data, ids)
-                    for m in range(models.shape[1])
-                ],
+        models, mask = msg["models"].to(theta), msg["mask"].to(theta)
+        if hp.include_own:  # reference: last round's start; candidates: own model + downloads
+            base = state["anchor"].to(theta)
+            cands = torch.cat([theta[:, None], models], dim=1)
+            cmask = torch.cat([torch.ones_like(mask[:, :1]), mask], dim=1)
+        else:  # reference: the current model; candidates: the downloads
+            base, cands, cmask = theta, models, mask
+        weights = torch.zeros(cmask.shape, device=theta.device, dtype=theta.dtype)
+        start = base
+        if bool((cmask > 0).any()):
+            ids = group.client_ids
+            loss_base = validation_loss(group.fm, base, buffers, data, ids)
+            loss_cands = torch.stack(
+                [validation_loss(group.fm, cands[:, m], buffers, data, ids)
+                 for m in range(cands.shape[1])],
                 dim=1,
-            )
-            dist = (models - theta[:, None]).norm(dim=-1)
-            weights = fomo_weights(loss_own, loss_others, dist, mask)
-            theta = fomo_update(theta, models, weights)
+            )  # fmt: skip
+            dist = (cands - base[:, None]).norm(dim=-1)
+            weights = fomo_weights(loss_base, loss_cands, dist, cmask).to(theta.dtype)
+            start = fomo_update(base, cands, weights)  # base where no weight is positive
+            if hp.fallback == "own":
+                start = torch.where((weights > 0).any(-1, keepdim=True), start, theta)
         local = dataclasses.replace(group, data=data)
-        theta, buffers, loss = local.train(theta, buffers)
-        reply = {"theta": theta, "weights": weights.to(theta.dtype)}
-        return reply, {"theta": theta, "buffers": buffers}, loss
+        trained, buffers, loss = local.train(start, buffers)
+        sent = weights[:, cands.shape[1] - models.shape[1] :]  # the M download slots
+        reply = {"theta": trained, "weights": sent}
+        return reply, {"theta": trained, "anchor": start, "buffers": buffers}, loss
 
 
 ALGORITHM = Algorithm(
@@ -226,4 +293,6 @@ ALGORITHM = Algorithm(
     server=FedFomoServer,
     client=FedFomoClient,
     homogeneous_only=True,
+    reference="authors' code (NVlabs/FedFomo; PFLlib agrees): own model a weighted candidate; "
+    "PFLlib's no-gain fallback (keep the own model)",
 )
