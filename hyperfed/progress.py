@@ -190,7 +190,9 @@ class _LinePhase:
             mark = self.mark
             if self.total and not heartbeat:
                 mark = int(self.done / self.total / self.owner.step + 1e-9)
-                due = due or (mark > self.mark and now - self.t0 >= self.owner.quiet_s)
+                if now - self.t0 < self.owner.quiet_s:
+                    self.mark = mark  # steps passed while quiet are not printed late
+                due = due or mark > self.mark
             if not due or self not in self.owner.open_phases:
                 return
             self.mark, self.last = mark, now

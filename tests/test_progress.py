@@ -73,6 +73,16 @@ def test_line_reporter_keeps_short_phases_quiet_and_throttles_by_time() -> None:
                 clock.now += 0.1
                 p.advance()
         assert lines == []
+        with phase("later", 20) as p:  # quiet for 2 s (17 units), then from the next 10%
+            for _ in range(20):
+                clock.now += 0.12
+                p.advance()
+        assert [ln.split(",")[0] for ln in lines[:-1]] == [
+            "later: 18/20 (90%)",
+            "later: 20/20 (100%)",
+        ]
+        assert lines[-1] == "later: done in 2 s"
+        lines.clear()
         with phase("long", 1000) as p:  # 1% per 40 s: a line per 30 s, not per 10%
             for _ in range(3):
                 clock.now += 40
@@ -121,7 +131,7 @@ def test_distillation_setup_reports_progress_lines_off_a_terminal() -> None:
     assert len(distill) == 11, lines
     assert "clients 0-1 of 2" in distill[0] and "2/20 (10%)" in distill[0]
     assert "20/20 (100%)" in distill[-2] and "done in" in distill[-1]
-    assert any(ln.startswith("setup stage 0: clients: 2/2") for ln in lines)
+    assert any(ln.startswith("setup stage 0, clients done: 2/2") for ln in lines)
 
 
 def test_estimate_within_a_factor_of_three_of_the_measured_phase() -> None:

@@ -234,7 +234,7 @@ class InMemoryTransport:
         out = Exchange({})
         stats: dict[str, list[Tensor]] = {}
         what = "evaluation request" if stage == EVAL_REQUEST else f"setup stage {stage}"
-        with phase(f"{what}: clients", len(msgs)) as tick:
+        with phase(f"{what}, clients done", len(msgs)) as tick:
             for name, part in self._by_group(msgs):
                 replies, state, st = self.client.setup(
                     stage,
