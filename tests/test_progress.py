@@ -150,16 +150,39 @@ def test_estimate_within_a_factor_of_three_of_the_measured_phase() -> None:
 
 
 def test_the_probe_leaves_the_run_as_it_was() -> None:
-    a = simulation(iters=5)
-    a.heavy_phases()
-    torch.manual_seed(123)
-    ra = a.run_setup()
-    b = simulation(iters=5)
-    torch.manual_seed(123)
-    rb = b.run_setup()
-    sa, sb = a.store[0], b.store[0]
-    assert ra["setup"]["distill_dm_loss_mean"] == rb["setup"]["distill_dm_loss_mean"]
-    assert torch.equal(sa["syn_x"], sb["syn_x"])
+    """Probing before the run changes nothing the run computes (setup and a round)."""
+    records = []
+    for probe in (True, False):
+        sim = simulation(iters=5)
+        if probe:
+            sim.heavy_phases()
+        sim.run_setup()
+        sim.run_round(1)
+        records.append((sim.evaluate(), sim.store[0]))
+    (ra, sa), (rb, sb) = records
+    assert ra["client_acc"] == rb["client_acc"]
+    assert torch.equal(sa["syn_x"], sb["syn_x"]) and torch.equal(sa["buffers"], sb["buffers"])
+
+
+def test_feddm_round_reports_its_distillation_and_the_server_training() -> None:
+    from hyperfed.runtime.simulate import Simulation
+
+    extra = ["feddm.distill_iters=3", "feddm.ipc=1", "feddm.server_epochs=1"]
+    cfg = load_config(None, [*TINY[:5], "algorithm.name=feddm", *[f"algorithm.{e}" for e in extra]])
+    sim = Simulation(cfg)
+    seen: list[tuple[str, int | None, int]] = []
+
+    class Rec:
+        def open(self, label: str, total: int | None, depth: int) -> progress.Phase:
+            seen.append((label, total, depth))
+            return progress._SILENT
+
+    assert [c.per_round for c in sim.heavy_phases()] == [True]
+    with reporting(Rec()):
+        sim.run_round(1)
+    assert seen[0] == ("round 1: distilling synthetic sets: clients 0-1 of 2", 3, 0)
+    assert seen[1] == ("server: aggregating round 1", None, 0)
+    assert seen[2][0].startswith("server: training on") and seen[2][2] == 1
 
 
 def test_rich_phase_is_a_nested_task_shown_after_a_delay() -> None:

@@ -268,10 +268,12 @@ def clients_text(client_ids: list[int], num_clients: int) -> str:
 
 def timed_probe(run: Callable[[int], object], iters: int, budget_s: float = 0.5) -> float:
     """Seconds ``run(iters)`` would take (``run(n)``: the phase with ``n`` iterations), from a
-    short timed probe: one untimed warm-up iteration, ``run(1)`` (the fixed cost plus one
-    iteration) and ``run(1 + p)`` with ``p`` chosen to take about ``budget_s``; the estimate is
-    the fixed cost plus ``iters`` times the per-iteration cost. Progress is not reported while
-    probing, and the global RNG is left as it was."""
+    short timed probe: one untimed warm-up iteration (first-call costs are not the phase's),
+    then ``run(2)``. A slow iteration (over ``budget_s / 4``) gives the estimate ``iters`` times
+    half of that; a fast one is measured again, ``run(1)`` (the fixed cost plus one iteration)
+    against ``run(1 + p)`` with ``p`` chosen to take about ``budget_s``: the fixed cost plus
+    ``iters`` times the per-iteration cost. Progress is not reported while probing, and the
+    global RNG is left as it was."""
 
     def seconds(n: int) -> float:
         t0 = time.perf_counter()
@@ -279,15 +281,14 @@ def timed_probe(run: Callable[[int], object], iters: int, budget_s: float = 0.5)
         return time.perf_counter() - t0
 
     with reporting(None), torch.random.fork_rng(devices=[]):
-        seconds(1)  # warm-up: first-call costs (kernels, allocator) are not the phase's
+        seconds(1)
+        per = seconds(2) / 2
+        if per > budget_s / 4:
+            return per * iters
         t1 = seconds(1)
-        t3 = seconds(3)
-        per = max((t3 - t1) / 2, 1e-6)
-        p = int(min(max(budget_s / per, 2), max(iters - 1, 2)))
-        if p > 2:
-            per = max((seconds(1 + p) - t1) / p, 1e-6)
-    fixed = max(t1 - per, 0.0)
-    return fixed + per * iters
+        p = int(min(max(budget_s / max(per, 1e-6), 2), max(iters - 1, 2)))
+        per = max((seconds(1 + p) - t1) / p, 1e-6)
+    return max(t1 - per, 0.0) + per * iters
 
 
 # -- the distillation phase (Alg. 1, ClientDatasetDistillation) ------------------------------
