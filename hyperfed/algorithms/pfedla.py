@@ -308,5 +308,5 @@ ALGORITHM = Algorithm(
     server=PFedLAServer,
     client=UpdateClient,
     homogeneous_only=True,
-    reference=REFERENCE,
+    reference=f"{REFERENCE}; hn_lr, the HN step's sign and init chosen on validation splits",
 )
