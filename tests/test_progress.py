@@ -135,16 +135,16 @@ def test_distillation_setup_reports_progress_lines_off_a_terminal() -> None:
 
 
 def test_estimate_within_a_factor_of_three_of_the_measured_phase() -> None:
-    # enough iterations that the distillation takes ~1-2 s (ratio stable on a busy machine)
-    sim = simulation(100)
+    # enough iterations that the distillation takes ~1-3 s (ratio stable on a busy machine)
+    sim = simulation(300)
     costs = sim.heavy_phases()
     assert len(costs) == 1 and not costs[0].per_round
     assert "2 clients" in costs[0].what or "clients 0-1 of 2" in costs[0].what
-    assert "100 iterations of lenet" in costs[0].what
+    assert "300 iterations of lenet" in costs[0].what
     t0 = time.perf_counter()
     sim.run_setup()
     measured = time.perf_counter() - t0
-    assert measured > 0.5  # a phase long enough to compare with
+    assert measured > 1.0  # a phase long enough to compare with
     ratio = costs[0].seconds / measured
     assert 1 / 3 < ratio < 3, (costs[0].seconds, measured)
 
