@@ -65,7 +65,8 @@ def test_a_row_that_has_not_plateaued_is_not_ranked() -> None:
     assert result["checks"] == [{"claim": "c > a", "verdict": "not converged: c"}]
     text = markdown(TOY, result, [0, 1])
     assert (
-        "| c | personalized | 71.00 ± 1.00 | not converged (+1.05 pts in the last window)" in text
+        "| c | personalized | 71.00 ± 1.00 | not converged (1 of 2 seeds; mean +1.05 pts in the "
+        "last window)" in text
     )
     assert "0 of 1 hold here (0 judged between converged rows)" in text
 
