@@ -239,7 +239,8 @@ TARGETS: dict[str, Target] = {
             "dfedhp_fmnist_ring.toml",
             ("local", "dfedavg", "dfedalt", "dispfl", "dfedhp"),
             ("dfedhp",),
-            # 40 rounds left DFedAvg / DisPFL still rising; 100 lets every row plateau
+            # 2.5x the config's 40 rounds (~4 min a run on 2 cores); DFedAvg and DisPFL still
+            # rise ~0.5 points per 10 rounds there in some seeds (README: "not converged")
             cpu=("rounds=100",),
             paper_ref="seed 004 Table 1 (its figures are not in the text we have: the "
             "paper's claim, DFedHP first, is checked)",
