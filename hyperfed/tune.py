@@ -193,18 +193,17 @@ def requeue_interrupted(study: optuna.Study) -> int:
     return len(stale)
 
 
-def _worker(folder: str, request: TuneRequest, space: dict[str, Space], worker: int) -> None:
-    """One process of ``--parallel``: trials until the study holds ``request.trials``."""
+def _worker(
+    folder: str, request: TuneRequest, space: dict[str, Space], worker: int, quota: int
+) -> None:
+    """One process of ``--parallel``: ``quota`` trials (the workers' quotas add up to the
+    trials the study lacks, so it ends with exactly ``request.trials``)."""
     import torch
-    from optuna.study import MaxTrialsCallback
-    from optuna.trial import TrialState
 
     torch.set_num_threads(1)
     study = open_study(Path(folder), request, worker)
-    if _done(study) >= request.trials:
-        return
-    stop = MaxTrialsCallback(request.trials, states=(TrialState.COMPLETE, TrialState.PRUNED))
-    study.optimize(_objective(request, space), callbacks=[stop])
+    if quota > 0:
+        study.optimize(_objective(request, space), n_trials=quota)
 
 
 def tune(
@@ -250,9 +249,12 @@ def tune(
             study.optimize(_objective(request, space), callbacks=[stop, progress])
     else:  # K processes on the same storage; this one watches
         ctx = mp.get_context("spawn")
+        missing = max(0, request.trials - _done(study))
+        quotas = [missing // parallel + (i < missing % parallel) for i in range(parallel)]
         procs = [
-            ctx.Process(target=_worker, args=(str(folder), request, space, i + 1))
-            for i in range(parallel)
+            ctx.Process(target=_worker, args=(str(folder), request, space, i + 1, quota))
+            for i, quota in enumerate(quotas)
+            if quota
         ]
         for p in procs:
             p.start()
