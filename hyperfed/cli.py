@@ -292,7 +292,7 @@ def export(
     import torch
 
     from hyperfed.config import load_config
-    from hyperfed.data.export import check_target, export_federation
+    from hyperfed.export import check_target, export_federation
     from hyperfed.runtime.simulate import load_federation
 
     try:

@@ -13,7 +13,7 @@ import torch
 from cli_helpers import SMALL, assert_one_line_error, invoke, sets
 
 from hyperfed.config import load_config
-from hyperfed.data.export import export_federation
+from hyperfed.export import export_federation
 from hyperfed.data.federated import FederatedData
 from hyperfed.data.partition import PartitionError
 from hyperfed.data.sources import DataError, load_dataset

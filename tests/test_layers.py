@@ -15,7 +15,7 @@ import hyperfed
 
 # bottom -> top; a module belongs to the layer of the longest prefix that names it
 LAYERS: list[tuple[str, list[str]]] = [
-    ("errors", ["hyperfed.errors", "hyperfed.hparams", "hyperfed.plugins"]),
+    ("errors", ["hyperfed.errors", "hyperfed.hparams", "hyperfed.plugins", "hyperfed.progress"]),
     ("data", ["hyperfed.data"]),
     ("models", ["hyperfed.models"]),
     ("hypernet", ["hyperfed.hypernet"]),
@@ -41,6 +41,8 @@ LAYERS: list[tuple[str, list[str]]] = [
             "hyperfed.report",
             "hyperfed.sweep",
             "hyperfed.reproduce",
+            "hyperfed.tune",
+            "hyperfed.export",
             "hyperfed.bench",
             "hyperfed.deploy",
             "hyperfed.privacy.attack",
