@@ -220,3 +220,36 @@ def test_list_algorithms_names_the_cost_drivers(name: str) -> None:
 
     summary = get_algorithm(name).summary
     assert "cost:" in summary and "distill_iters" in summary
+
+
+@pytest.mark.parametrize("method", ["fedgh", "fedtgp"])
+def test_server_training_of_fedgh_and_fedtgp_reports_its_epochs(method: str) -> None:
+    """The server's own training (FedGH's header, FedTGP's prototype generator) is a phase of
+    ``server_epochs`` units, advanced once per epoch: its bar has an ETA."""
+    from hyperfed.runtime.simulate import Simulation
+
+    cfg = load_config(
+        None, [*TINY[:5], f"algorithm.name={method}", f"algorithm.{method}.server_epochs=3"]
+    )
+    sim = Simulation(cfg)
+    seen: list[tuple[str, int | None]] = []
+    advanced: list[int] = []
+
+    class Counted:
+        def advance(self, n: int = 1) -> None:
+            advanced.append(n)
+
+        def close(self) -> None:
+            pass
+
+    class Rec:
+        def open(self, label: str, total: int | None, depth: int) -> progress.Phase:
+            seen.append((label, total))
+            return Counted() if label.startswith("server: training the") else progress._SILENT
+
+    with reporting(Rec()):
+        sim.run_setup()
+        sim.run_round(1)
+    training = [s for s in seen if s[0].startswith("server: training the")]
+    assert len(training) == 1 and training[0][1] == 3
+    assert advanced == [1, 1, 1]  # once per epoch

@@ -97,6 +97,7 @@ from hyperfed.engine.local import client_seed
 from hyperfed.engine.losses import check_class_payload, class_means, pack_classes
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.progress import phase
 
 KEYS = ("proto_classes", "protos")
 HEADER = ("classifier.weight", "classifier.bias")
@@ -275,11 +276,15 @@ class FedGHServer(Server):
             return
         reps = reps.to(self.header.weight.dtype)
         onehot = F.one_hot(labels, self.ctx.num_classes).to(reps.dtype)
-        with torch.no_grad():
+        with (
+            torch.no_grad(),
+            phase("server: training the global header", total=self.hp.server_epochs) as progress,
+        ):
             for epoch in range(self.hp.server_epochs):
                 seed = client_seed(self.ctx.seed, rnd, 0, salt=epoch)
                 for b in minibatches(len(labels), self.hp.server_batch_size, seed, reps.device):
                     header_step(self.header, reps[b], onehot[b], self.hp.server_lr)
+                progress.advance()
 
 
 def header_step(header: nn.Linear, reps: Tensor, onehot: Tensor, lr: float) -> None:

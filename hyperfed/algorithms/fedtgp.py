@@ -73,6 +73,7 @@ from hyperfed.algorithms.fedproto import FedProtoClient
 from hyperfed.engine.local import client_seed
 from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.progress import phase
 
 INFERENCE = ("prototype", "classifier")
 CODE = "the authors' run_me.sh (TsingZ0/FedTGP)"
@@ -180,7 +181,12 @@ class FedTGPServer(Server):
         protos = protos.to(self.protos.dtype)
         self.margin = adaptive_margin(protos, labels, self.ctx.num_classes, self.hp.tau)
         opt = torch.optim.SGD(self.tgp.parameters(), lr=self.hp.server_lr)
-        with torch.enable_grad():
+        with (
+            torch.enable_grad(),
+            phase(
+                "server: training the prototype generator", total=self.hp.server_epochs
+            ) as progress,
+        ):
             for epoch in range(self.hp.server_epochs):
                 seed = client_seed(self.ctx.seed, rnd, 0, salt=epoch)
                 for b in minibatches(len(labels), self.hp.server_batch_size, seed, protos.device):
@@ -188,6 +194,7 @@ class FedTGPServer(Server):
                     opt.zero_grad()
                     loss.backward()
                     opt.step()
+                progress.advance()
         with torch.no_grad():
             self.protos = self.tgp().detach().clone()
         self.proto_mask = torch.ones_like(self.proto_mask)
