@@ -24,7 +24,8 @@ per-client train / val / test split); this module only writes it, in one of :dat
 For PFLlib and FL-bench the inputs are written as the model sees them in hyperfed: float32,
 ``[N, C, H, W]`` images normalized with the dataset's per-channel mean / std (PFLlib's own
 generators also store normalized float ``N x C x H x W`` tensors; FL-bench's ``synthetic``
-slot reads ``data.npy`` as float and normalizes with mean 0, std 1, i.e. not again); vector
+slot reads ``data.npy`` as float, but divides it by 255 when its maximum is above 1: remove
+that division on FL-bench's side, docs/export.md); vector
 data (``synthetic``) is float32 ``[N, D]``. Labels are int64.
 
 Nothing is written unless everything is: the files are made in a temporary folder beside the
@@ -350,7 +351,9 @@ def _readme(fmt: str, data: FederatedData, out: Path) -> str:
                 "(dimension and class_num for its 'synthetic' slot).\n"
                 "Use: copy these files to FL-bench/data/synthetic and run "
                 "python main.py dataset.name=synthetic model.name=2nn (or a slot whose input shape "
-                "matches; see docs/export.md).\n"
+                "matches; see docs/export.md).\nTrap: FL-bench divides data.npy by 255 when its "
+                "maximum is above 1, which these normalized inputs are: remove that division in "
+                "your FL-bench copy first (docs/export.md).\n"
             )
         )
     return head + (
