@@ -13,10 +13,10 @@ import torch
 from cli_helpers import SMALL, assert_one_line_error, invoke, sets
 
 from hyperfed.config import load_config
-from hyperfed.export import export_federation
 from hyperfed.data.federated import FederatedData
 from hyperfed.data.partition import PartitionError
 from hyperfed.data.sources import DataError, load_dataset
+from hyperfed.export import export_federation
 from hyperfed.runtime.simulate import load_federation
 
 SPLITS = ("train", "val", "test")
