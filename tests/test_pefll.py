@@ -327,3 +327,22 @@ def test_new_clients_get_a_model_from_their_descriptor_without_any_learning():
 def test_heterogeneous_clients_are_refused(small_sim):
     with pytest.raises(ConfigError, match="pefll needs one architecture"):
         small_sim("pefll", ["lenet", "mlp"])
+
+
+@pytest.mark.parametrize("standardize", [True, False])
+def test_h_reads_the_descriptor_standardized_by_the_first_ones_mean_and_std(standardize):
+    """Authors' code: h(( v - m) / s), m and s the mean and (unbiased) std of the entries of the
+    first descriptor received, fixed for the run; ``standardize=False``: h(v)."""
+    hp = PeFLLParams(**{**HP.__dict__, "eval_descriptor": "last_sent", "standardize": standardize})
+    server = _server(hp=hp)
+    v0 = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    v1 = torch.tensor([-1.0, 0.25], dtype=torch.float64)
+    server.aggregate_setup(0, {1: {"v": v1}, 0: {"v": v0}})  # client 0's is the first (lowest id)
+    server.aggregate_setup(0, {0: {"v": v1 * 3}, 1: {"v": v1}})  # later: m, s stay
+    m = (0.5 + 2.0) / 2
+    s = (((0.5 - m) ** 2 + (2.0 - m) ** 2) / (2 - 1)) ** 0.5  # unbiased, two entries
+    p = _params(server)
+    msgs = server.configure_train(1, [0, 1])
+    for c, v in ((0, v1 * 3), (1, v1)):
+        read = (v - m) / s if standardize else v
+        assert torch.allclose(msgs[c]["theta"], hand_h(p, read), rtol=0, atol=1e-12)
