@@ -104,7 +104,6 @@ MEASURED = {
     # IID at 30 rounds (ROUNDS): MOON scores its global model (2026-11-26); mu = 1 slows the
     # global model (mu = 0: 0.32 at 10 rounds, as FedAvg; mu = 1: 0.113)
     "moon": (0.293, 0.487),
-    # at 40 rounds (ROUNDS); h as deep as the authors' --hyper-nhid 3 (0.751 / 0.828 / 0.801,
     # at 40 rounds (ROUNDS); h as deep as the authors' --hyper-nhid 3 and reading the
     # descriptor standardized as their code does (0.888 / 0.975 / 0.879, 2026-11-26; without
     # the standardization 0.751 / 0.828 / 0.801)
