@@ -27,7 +27,6 @@ against 0.524 at q = 3).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +42,7 @@ from hyperfed.algorithms.base import (
     chosen,
 )
 from hyperfed.engine.local import evaluate_clients
-from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.layout import FunctionalModel, fresh_init
 
 
 @dataclass
@@ -57,19 +56,6 @@ class HypClusterParams:
     def __post_init__(self) -> None:
         if self.clusters < 1:
             raise ValueError(f"clusters must be >= 1 (got {self.clusters})")
-
-
-def fresh_init(fm: FunctionalModel, seed: int) -> Tensor:
-    """A new draw of ``fm``'s default PyTorch initialization (``reset_parameters`` of every
-    layer under ``seed``), flat; the global RNG is left as it was."""
-    module = copy.deepcopy(fm.module)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for layer in module.modules():
-            reset = getattr(layer, "reset_parameters", None)
-            if callable(reset):
-                reset()
-    return fm.read_from(module)[0]
 
 
 def cluster_losses(

@@ -100,7 +100,6 @@ Homogeneous only: theta_bar_i mixes the same layer of every client's model (seed
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -119,7 +118,7 @@ from hyperfed.algorithms.base import (
     chosen,
 )
 from hyperfed.errors import ConfigError
-from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.layout import FunctionalModel, fresh_init
 
 REFERENCE = "KarhouTam/pFedLA (FL-bench's pfedla.py agrees)"
 INITS = ("per_client", "shared")
@@ -130,15 +129,8 @@ def client_init(fm: FunctionalModel, seed: int, client: int) -> Tensor:
     """Client ``client``'s own draw of ``fm``'s default PyTorch initialization (every layer's
     ``reset_parameters``, on the CPU, under a seed derived from ``(seed, client)`` alone), flat;
     the global RNG is left as it was."""
-    module = copy.deepcopy(fm.module).cpu()
     draw = int(np.random.SeedSequence((seed, client, 0x9FED1A)).generate_state(1)[0])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(draw)
-        for layer in module.modules():
-            reset = getattr(layer, "reset_parameters", None)
-            if callable(reset):
-                reset()
-    return fm.read_from(module)[0]
+    return fresh_init(fm, draw)
 
 
 @dataclass

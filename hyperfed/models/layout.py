@@ -312,3 +312,21 @@ class FunctionalModel:
         theta = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
         bufs = [b.detach().reshape(-1) for b in module.buffers() if b.is_floating_point()]
         return theta, (torch.cat(bufs) if bufs else torch.zeros(0, device=theta.device))
+
+
+def fresh_init(fm: FunctionalModel, seed: int) -> Tensor:
+    """A new draw of ``fm``'s default PyTorch initialization (every layer's
+    ``reset_parameters``, drawn on the CPU under ``seed``, returned on ``fm``'s device), flat;
+    the global RNG is left as it was
+    (HypCluster's extra cluster models, pFedLA's per-client starts)."""
+    import copy
+
+    module = copy.deepcopy(fm.module).cpu()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for layer in module.modules():
+            reset = getattr(layer, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    device = next(fm.module.parameters()).device  # where fm's own parameters live
+    return fm.read_from(module)[0].to(device)
