@@ -38,6 +38,21 @@ app = typer.Typer(
 app.add_typer(flower_cli, name="flower")
 
 
+def progress_with_last(label: str, eta: bool = True) -> Progress:
+    """The bar of a long batch of jobs (sweep runs, tuning trials, reproduce): ``label``, done
+    of total, the last finished job (the task's ``last`` field), elapsed time and an ETA."""
+    columns = [
+        TextColumn(f"[bold blue]{label}"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TextColumn("{task.fields[last]}"),
+        TimeElapsedColumn(),
+    ]
+    if eta:
+        columns += [TextColumn("eta"), TimeRemainingColumn()]
+    return Progress(*columns, console=console)
+
+
 @app.command()
 def run(
     config: ConfigOpt = None,
@@ -347,16 +362,7 @@ def tune(
         fail(str(e))
         return
     console.print(f"tuning on the validation split: {', '.join(space)}", highlight=False)
-    with Progress(
-        TextColumn("[bold blue]tune"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TextColumn("{task.fields[last]}"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        console=console,
-    ) as progress:
+    with progress_with_last("tune") as progress:
         task = progress.add_task("trials", total=trials, last="")
 
         def on_progress(done: int, total: int, line: str) -> None:
@@ -409,16 +415,7 @@ def sweep(
         fail(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2")
     if out.exists() and not out.is_dir():
         fail(f"--out {out} is a file; choose a folder for the sweep")
-    with Progress(
-        TextColumn("[bold blue]sweep"),
-        MofNCompleteColumn(),
-        BarColumn(),
-        TextColumn("{task.fields[last]}"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-        console=console,
-    ) as progress:
+    with progress_with_last("sweep") as progress:
         task = progress.add_task("runs", total=None, last="")
 
         def on_progress(done: int, total: int, name: str) -> None:
@@ -512,14 +509,7 @@ def reproduce(
         chosen = chosen_methods(t, methods)
         config, sets = sweep_args(t, scale, configs)
         folder = out / f"{t.key.replace(':', '-')}-{scale}"
-        with Progress(
-            TextColumn(f"[bold blue]{t.key}"),
-            MofNCompleteColumn(),
-            BarColumn(),
-            TextColumn("{task.fields[last]}"),
-            TimeElapsedColumn(),
-            console=console,
-        ) as progress:
+        with progress_with_last(t.key, eta=False) as progress:
             task = progress.add_task("runs", total=None, last="")
 
             def on_progress(done: int, total: int, name: str) -> None:
@@ -542,14 +532,7 @@ def reproduce(
         ]
         default = compare(t, [run_summary(r) for r in runs], chosen)
         if tuned:
-            with Progress(
-                TextColumn(f"[bold blue]{t.key} tuned"),
-                MofNCompleteColumn(),
-                BarColumn(),
-                TextColumn("{task.fields[last]}"),
-                TimeElapsedColumn(),
-                console=console,
-            ) as progress:
+            with progress_with_last(f"{t.key} tuned", eta=False) as progress:
                 task = progress.add_task("tune", total=None, last="")
 
                 def on_tune(done: int, total: int, line: str) -> None:
