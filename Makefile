@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
-#   make run    install into .venv and run the default experiment
-#   make test   install into .venv and run the test suite (what CI runs)
+#   make run    install hyperfed and its core dependencies into .venv, run the default experiment
+#   make test   install every extra too, run the test suite (what CI runs)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -12,13 +12,20 @@ TORCH  ?= torch==2.13.0
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# what `hyperfed run` needs: torch and the core dependencies (no Flower, Ray, datasets, pyarrow,
+# Optuna or Opacus; a command that needs one of those says which extra to install)
+$(VENV)/.core-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# every extra the test suite, the linters and the other commands use
+$(VENV)/.installed: $(VENV)/.core-installed
 	$(BIN)/pip install -q -e ".[dev,flower,simulation,flwr-datasets,privacy,tune]"
 	touch $@
 
-run: install
+run: $(VENV)/.core-installed
 	$(BIN)/hyperfed run
 
 test: install
@@ -29,8 +36,8 @@ lint: install
 	$(BIN)/ruff format --check hyperfed tests benchmarks
 	$(BIN)/mypy hyperfed
 
-# the documentation site (README sections + API reference from docstrings) in site/; --strict:
-# a broken include, link or docstring reference fails the build (CI runs it)
+# the documentation site (docs/*.md + API reference from docstrings) in site/; --strict:
+# a broken link or docstring reference fails the build (CI runs it)
 docs: $(VENV)/.docs-installed
 	$(BIN)/mkdocs build --strict
 

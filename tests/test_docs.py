@@ -1,0 +1,103 @@
+"""README.md is the short version of the documentation site (docs/, built by ``make docs``).
+
+It stays short, its relative links resolve on GitHub, and the two parts it shares with the
+site (the quick start, the methods table) are the same text in both places, so neither can
+drift. The methods table names every built-in algorithm and nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from pathlib import Path
+
+import hyperfed.algorithms as algorithms_pkg
+from hyperfed.algorithms import _in_module
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MAX_README_LINES = 250  # issue 38: what it is, install, commands, results teaser, methods, links
+
+
+def _section(text: str, heading: str) -> str:
+    """The lines from ``heading`` up to the next heading of the same or a higher level."""
+    lines = text.splitlines()
+    start = lines.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    end = len(lines)
+    for i in range(start + 1, len(lines)):
+        m = re.match(r"(#+) ", lines[i])
+        if m and len(m.group(1)) <= level and not _in_code(lines, i):
+            end = i
+            break
+    return "\n".join(lines[start:end]).strip() + "\n"
+
+
+def _in_code(lines: list[str], i: int) -> bool:
+    return sum(1 for line in lines[:i] if line.startswith("```")) % 2 == 1
+
+
+def _first_table(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return lines[start:end]
+
+
+def _relative_links(text: str) -> list[str]:
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [t for t in targets if not re.match(r"[a-z]+:", t) and not t.startswith("#")]
+
+
+def _builtin_algorithms() -> set[str]:
+    names = set()
+    for info in pkgutil.iter_modules(algorithms_pkg.__path__):
+        module = importlib.import_module(f"{algorithms_pkg.__name__}.{info.name}")
+        names.update(alg.name for alg in _in_module(module))
+    return names
+
+
+def test_readme_is_short() -> None:
+    n = len(README.read_text().splitlines())
+    assert n <= MAX_README_LINES, f"README.md has {n} lines; move sections to docs/*.md"
+
+
+def test_readme_links_resolve() -> None:
+    missing = [
+        t for t in _relative_links(README.read_text()) if not (ROOT / t.split("#")[0]).exists()
+    ]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+def test_readme_quick_start_is_the_site_home_page_s() -> None:
+    readme = _section(README.read_text(), "## Quick start")
+    home = _section((ROOT / "docs" / "index.md").read_text(), "## Quick start")
+    assert readme == home, "README.md's and docs/index.md's quick start differ"
+
+
+def test_readme_methods_table_is_the_methods_page_s() -> None:
+    readme = _first_table(_section(README.read_text(), "## Methods"))
+    page = _first_table((ROOT / "docs" / "methods.md").read_text())
+    assert readme == page, "README.md's and docs/methods.md's methods tables differ"
+
+
+def test_the_methods_table_names_every_builtin_algorithm() -> None:
+    rows = _first_table(_section(README.read_text(), "## Methods"))[2:]
+    listed = {name for row in rows for name in re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])}
+    builtin = _builtin_algorithms()
+    assert builtin - listed == set(), f"missing from the methods table: {sorted(builtin - listed)}"
+    assert listed - builtin == set(), f"not an algorithm: {sorted(listed - builtin)}"
+
+
+def test_the_helpers_see_a_difference() -> None:
+    """The checks above can fail: a changed row, a dead link and an extra heading are seen."""
+    text = "# t\n\n## A\n\n```\n## not a heading\n```\n| x |\n|---|\n| `a` |\n\n## B\n\nrest\n"
+    assert "## B" not in _section(text, "## A") and "## not a heading" in _section(text, "## A")
+    assert _first_table(_section(text, "## A")) == ["| x |", "|---|", "| `a` |"]
+    assert _relative_links("[a](docs/x.md) [b](https://e.org) [c](#d) ![i](img/p.png)") == [
+        "docs/x.md",
+        "img/p.png",
+    ]
