@@ -543,10 +543,10 @@ def reproduce(
                 )
             result.failed.extend(tuned_failed)
             tuned_result = compare(t, [run_summary(r) for r in tuned_dirs], chosen)
-            text = markdown(t, default, seed_list, tuned_result, trials)
+            text = markdown(t, default, seed_list, tuned_result, trials, scale)
             write_report(tuned_dirs, folder / "report-tuned")
         else:
-            text = markdown(t, default, seed_list)
+            text = markdown(t, default, seed_list, scale=scale)
         write_report(runs, folder / "report")
         (folder / "reproduce.md").write_text(text)
     except HyperfedError as e:

@@ -162,3 +162,34 @@ def test_clients_are_evaluated_with_the_current_global_model() -> None:
     )
     expected = torch.full((K,), (2.0 + 3 * 6.0) / 4, dtype=torch.float64)
     assert torch.allclose(theta[0], expected) and torch.allclose(theta[1], expected)
+
+
+def test_evaluate_local_scores_each_clients_locally_trained_model() -> None:
+    """Seed 001's PM@Acc (§6.1, "the trained private models' mean accuracy"): under
+    ``evaluate="local"`` client k is evaluated with w_0 - eta g_k(w_0), its own model after
+    local training, not the average; a client never trained is evaluated with w_0."""
+    fm, data = _linear(), _two_clients()
+    K = fm.num_params
+    hp = FedAvgParams(evaluate="local")
+    client = FedAvgClient(hp, CLIENT_CTX)
+    state = client.init_state(fm, 2)
+    w0 = fm.initial_params()
+    group = _group(fm, data)
+    before, _ = client.eval_model(group, {"theta": torch.zeros(2, K, dtype=torch.float64)}, state)
+    assert torch.equal(before[0], w0) and torch.equal(before[1], w0)  # never trained: w_0
+    _, state, _ = client.fit(group, {"theta": w0.expand(2, -1).clone()}, state)
+    averaged = torch.full((2, K), 9.0, dtype=torch.float64)  # what the server would send
+    theta, _ = client.eval_model(group, {"theta": averaged}, state)
+    for c in range(2):
+        expected = w0 - LR * _ce_grad(w0, *_client_xy(data, c))
+        assert torch.allclose(theta[c], expected, atol=1e-10)
+    assert not torch.allclose(theta[0], theta[1])  # two private models, not one global
+    assert ALGORITHM.scored_model(hp) == "local"
+    assert ALGORITHM.scored_model(FedAvgParams()) == "global"  # the paper's default
+
+
+def test_evaluate_rejects_an_unknown_model() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="evaluate='best'; allowed: global, local"):
+        FedAvgParams(evaluate="best")

@@ -169,3 +169,52 @@ def test_kept_summaries_redraw_the_same_table(tmp_path: Path) -> None:
     assert len(again) == 2 and not (again[0] / "checkpoint.pt").exists()
     for a, b in zip(sweep_runs([src]), again):
         assert run_summary(a)["final_mean_acc"] == run_summary(b)["final_mean_acc"] == 0.2
+
+
+def test_a_row_scored_under_another_protocol_is_not_ranked() -> None:
+    """Seed 001 scores every row as PM@Acc (each client's trained private model): a row that
+    scored the global model (a in the toy, which scores "global") is marked, not ranked, and
+    the header states the setting and the protocol."""
+    on_pm = Target(
+        "9:p",
+        "toy",
+        "x.toml",
+        ("a", "b", "c"),
+        ("c",),
+        cpu=("rounds=60", "algorithm.a.evaluate=local"),
+        protocol=("personalized", "local"),
+        protocol_name="PM@Acc",
+    )
+    runs = [_summary("a", 0.50), _summary("b", 0.60), _summary("c", 0.70)]
+    result = compare(on_pm, runs)
+    assert result["checks"] == [
+        {"claim": "c > a", "verdict": "other protocol: a"},
+        {"claim": "c > b", "verdict": "holds"},
+    ]
+    runs[0] = {**runs[0], "scores": "local"}  # a brought onto the protocol
+    assert compare(on_pm, runs)["checks"][0]["verdict"] == "holds"
+    text = markdown(on_pm, result, [0])
+    assert "with overrides `rounds=60`, `algorithm.a.evaluate=local`" in text
+    assert (
+        "Protocol: one protocol for every row, PM@Acc: each client's personalized or local" in text
+    )
+    # without a declared protocol every row keeps its own, labelled
+    assert compare(TOY, runs)["checks"] == [{"claim": "c > a", "verdict": "holds"}]
+    assert "Protocol: each method's own evaluation" in markdown(TOY, result, [0])
+
+
+def test_seed001_scores_every_row_as_pm_at_acc() -> None:
+    """Seed 001 §6.1: "the trained private models' mean accuracy" (PM@Acc) for every row: its
+    CPU overrides bring the global-model rows (FedAvg, MOON) onto each client's model after
+    local training, and every other row already scores a private model."""
+    from hyperfed.algorithms import get_algorithm
+    from hyperfed.config import load_config
+
+    target = TARGETS["001:table1"]
+    assert target.protocol == ("personalized", "local")
+    config, sets = sweep_args(target, "cpu", Path("configs"))
+    for m in target.methods:
+        cfg = load_config(config, [f"algorithm.name={m}", *sets[1:]])
+        alg = get_algorithm(m)
+        hp = alg.hparams(**cfg.algorithm.params)
+        assert alg.scored_model(hp) in target.protocol, m
