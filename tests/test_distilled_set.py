@@ -10,11 +10,21 @@ trains with a loss of its own is refused in one line.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from hyperfed.algorithms import get_algorithm
-from hyperfed.algorithms.distilled_set import plug_in
+from hyperfed.algorithms.base import (
+    CLIENT_GROUPS,
+    INSPECTION,
+    SERVER_CORE,
+    Algorithm,
+    Server,
+    ServerContext,
+)
+from hyperfed.algorithms.compose import plug_in
 from hyperfed.config import ConfigError, load_config
 from hyperfed.runtime.simulate import Simulation
 
@@ -83,7 +93,7 @@ def test_the_methods_own_hyperparameters_reach_the_method() -> None:
     sim = _sim("fedgh_dd", *DD, "algorithm.server_lr=0.5")
     assert sim.server.method.hp.server_lr == 0.5  # type: ignore[attr-defined]
     assert sim.client.method.hp.server_lr == 0.5  # type: ignore[attr-defined]
-    assert sim.server.distilled.hp.ipc == 2  # type: ignore[attr-defined]
+    assert sim.client.distilled.hp.ipc == 2  # type: ignore[attr-defined]
 
 
 def test_a_method_with_its_own_loss_is_refused_in_one_line() -> None:
@@ -110,3 +120,60 @@ def test_a_method_with_its_own_loss_is_refused_in_one_line() -> None:
     msgs = {c: dict(m) for c, m in sim.server.configure_train(1, [0, 1, 2]).items()}
     with pytest.raises(ConfigError, match="fedproto trains with a loss of its own"):
         sim.transport.fit(1, msgs)
+
+
+# -- the protocol: the wrappers forward the core and exactly the capabilities a method has ------
+
+
+class _Groups(Server):
+    """A method server with the eligibility / evaluation-group capability and nothing else."""
+
+    def eligible_clients(self, rnd: int) -> list[int] | None:
+        return [0] if rnd < 3 else [1]
+
+    def eval_groups(self) -> dict[str, list[int]]:
+        return {"first": [0]}
+
+
+class _Plain(Server):
+    pass
+
+
+def _composed(server: type[Server], name: str) -> Algorithm:
+    inner = get_algorithm("fedavg")
+    return plug_in(dataclasses.replace(inner, name=name, server=server))
+
+
+def test_the_wrapper_forwards_a_capability_only_when_the_method_has_it() -> None:
+    """The composed server answers eligible_clients / eval_groups with the method's when the
+    method has the capability, and with the protocol's "not present" default when it does not
+    (nothing hand-written per hook); the core hooks are always the method's."""
+    with_groups, plain = _composed(_Groups, "g").server, _composed(_Plain, "p").server
+    assert CLIENT_GROUPS.held_by(with_groups) and not CLIENT_GROUPS.held_by(plain)
+    assert plain.eligible_clients is Server.eligible_clients
+    ctx = ServerContext(0, torch.device("cpu"), 2, (3,))
+    clients = {c: {"num_params": torch.tensor(4), "num_samples": torch.tensor(1)} for c in (0, 1)}
+    hp = _composed(_Groups, "g").hparams(distill_model="mlp")
+    server = with_groups(hp, clients, ctx)
+    assert server.eligible_clients(1) == [0] and server.eligible_clients(5) == [1]
+    assert server.eval_groups() == {"first": [0]}
+    # the distillation follows the method's eligibility: only clients that train get theta_d
+    assert set(server.configure_setup(0, [0, 1])) == {0}
+    assert plain(hp, clients, ctx).eval_groups() == {}
+    for hook in SERVER_CORE[:5]:  # configure_train .. configure_eval: the method's own
+        assert getattr(with_groups, hook) is not getattr(Server, hook), hook
+
+
+def test_mh_pfedhndd_forwards_inspection_and_groups_from_mh_pfedhn() -> None:
+    """The attack harness's inspection (model_updates) and MH-pFedHN's new-client groups reach
+    the composed server; the synthetic set it inspects is the component's."""
+    alg = get_algorithm("mh_pfedhndd")
+    assert INSPECTION.held_by(alg.server) and CLIENT_GROUPS.held_by(alg.server)
+    assert alg.server.model_updates is not Server.model_updates
+    plain = get_algorithm("fedbn_dd")
+    assert not CLIENT_GROUPS.held_by(plain.server)
+
+
+def test_a_method_with_a_setup_stage_of_its_own_is_refused() -> None:
+    with pytest.raises(ValueError, match="desa has a setup phase of its own"):
+        plug_in(get_algorithm("desa"))

@@ -9,18 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hyperfed.algorithms.dataset_distillation import (
-    DistillConfig,
-    clip_per_sample,
-    distill_synthetic,
-    dp_sgd_image_grad,
-    noisy_clipped_sum,
-)
 from hyperfed.algorithms.mh_pfedhndd import MHPFedHNDDParams
 from hyperfed.config import ConfigError, load_config
 from hyperfed.data.federated import FederatedData
+from hyperfed.distill.synthesis import DistillConfig, distill_synthetic, dp_sgd_image_grad
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.privacy.accounting import composed_epsilon, gaussian_epsilon, noise_for_epsilon
+from hyperfed.privacy.dp_sgd import clip_per_sample, noisy_clipped_sum
 
 F64 = torch.float64
 

@@ -23,10 +23,11 @@ from toy import tiny_mlp, toy_federation
 
 from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext, stack_payloads
 from hyperfed.algorithms.fedavg import FedAvgClient
-from hyperfed.algorithms.fedbn import FedBNClient, FedBNParams, FedBNServer, norm_mask
+from hyperfed.algorithms.fedbn import FedBNClient, FedBNParams, FedBNServer
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.select import norm_mask
 from hyperfed.models.zoo import ZooNet
 
 CPU = torch.device("cpu")

@@ -19,18 +19,13 @@ from torch import Tensor
 from toy import tiny_mlp, toy_federation
 
 from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext
-from hyperfed.algorithms.dataset_distillation import (
-    DistillConfig,
-    distill_matching,
-    pad_by_class,
-    perturb_within,
-)
 from hyperfed.algorithms.feddm import (
     FedDMClient,
     FedDMParams,
     FedDMServer,
     sampled_model,
 )
+from hyperfed.distill.synthesis import DistillConfig, distill_matching, pad_by_class, perturb_within
 from hyperfed.engine.local import SGDConfig
 
 CPU = torch.device("cpu")

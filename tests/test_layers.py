@@ -22,8 +22,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     (
         "train",  # mechanics the algorithms call
         [
-            "hyperfed.engine",  # local SGD, losses, optimizers, topologies
+            "hyperfed.engine",  # local SGD, losses, optimizers, topologies, codecs
+            "hyperfed.distill",  # dataset distillation
             "hyperfed.privacy.accounting",
+            "hyperfed.privacy.dp_sgd",
             "hyperfed.privacy.inversion",
         ],
     ),

@@ -16,12 +16,11 @@ from hyperfed.algorithms.mh_pfedhn import (
     MHPFedHNGParams,
     MHPFedHNParams,
     MHPFedHNServer,
-    decode_update,
     distillation_loss,
-    encode_update,
 )
 from hyperfed.config import load_config
 from hyperfed.data.federated import FederatedData
+from hyperfed.engine.codec import decode_update, encode_update
 from hyperfed.engine.local import SGDConfig
 from hyperfed.hypernet.multihead import Head, MultiHeadHypernet, num_chunks
 from hyperfed.models.layout import FunctionalModel

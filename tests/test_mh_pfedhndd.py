@@ -13,22 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext
-from hyperfed.algorithms.dataset_distillation import (
-    DistillConfig,
-    distill_synthetic,
-    dm_loss,
-    draw_batches,
-    masked_mean,
-    merge_synthetic,
-    supcon_loss,
-    synthetic_objective,
-    unicon_loss,
-    universum,
-)
 from hyperfed.algorithms.mh_pfedhndd import (
     ALGORITHMS,
     DISTILL,
-    DDParams,
     FedAvgDDClient,
     FedAvgDDParams,
     FedAvgDDServer,
@@ -39,6 +26,17 @@ from hyperfed.algorithms.mh_pfedhndd import (
 )
 from hyperfed.config import ConfigError, load_config
 from hyperfed.data.federated import FederatedData
+from hyperfed.distill.component import DDParams
+from hyperfed.distill.losses import (
+    dm_loss,
+    draw_batches,
+    masked_mean,
+    supcon_loss,
+    synthetic_objective,
+    unicon_loss,
+    universum,
+)
+from hyperfed.distill.synthesis import DistillConfig, distill_synthetic, merge_synthetic
 from hyperfed.engine.local import SGDConfig
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
@@ -271,9 +269,10 @@ def test_one_shot_trains_on_synthetic_set_only():
         "fedavg_dd", **{"clients.models": '"lenet"', "algorithm.one_shot": "true", "rounds": 1}
     )
     sim.server.hp.one_shot_epochs = 2
-    before = {k: v.clone() for k, v in sim.server.theta.items()}
+    theta = sim.server.method.theta  # type: ignore[attr-defined]
+    before = {k: v.clone() for k, v in theta.items()}
     records = sim.run()
-    assert all(not torch.equal(before[k], v) for k, v in sim.server.theta.items())
+    assert all(not torch.equal(before[k], v) for k, v in theta.items())
     assert records[-1]["bytes_up_round"] == 0  # clients send nothing in the rounds
 
 
@@ -523,7 +522,7 @@ def _setup_client(**hp_kw: Any) -> tuple[MHPFedHNDDClient, ClientGroup, Function
     hp = MHPFedHNDDParams(distill_model="mlp", out_dim=64, hidden=8, **hp_kw)
     client = MHPFedHNDDClient(hp, ClientContext(0, torch.device("cpu"), NCLS, (D_IN,)))
     fm = _tiny_fm()
-    client.distill_fm = fm  # theta_d's architecture: the linear network
+    client.distilled.distill_fm = fm  # theta_d's architecture: the linear network
     data = _distill_data()
     group = ClientGroup(fm, [0, 1], data, rnd=0, seed=0, sgd=SGDConfig(), vectorize=False)
     return client, group, fm
@@ -615,7 +614,7 @@ def test_dp_adds_gaussian_noise_of_std_sigma_clip_to_class_sums():
     for iters in (0, 1):
         hp = MHPFedHNDDParams(distill_iters=iters, **kw)
         client = MHPFedHNDDClient(hp, ClientContext(0, torch.device("cpu"), 4, (d,)))
-        client.distill_fm = fm
+        client.distilled.distill_fm = fm
         group = ClientGroup(fm, [0, 1, 2, 3], data, rnd=0, seed=0, sgd=SGDConfig())
         msg = {"theta_d": theta_d[None].expand(4, -1)}
         with warnings.catch_warnings():
@@ -710,11 +709,12 @@ def test_server_sends_theta_d_generated_from_v_d_by_the_hypernetwork():
         assert sent[0]["theta_d"].shape == (k_d,)
         assert torch.equal(sent[0]["theta_d"], sent[1]["theta_d"])
         with torch.no_grad():
-            gen = server.hnet.generate([DISTILL, 0])
+            gen = server.method.hnet.generate([DISTILL, 0])
         assert torch.equal(sent[0]["theta_d"], gen[DISTILL])
         # changing v_d (only) changes theta_d: it is the distillation slot's own embedding
         with torch.no_grad():
-            server.hnet.embeddings[server.hnet._name(DISTILL)].add_(1.0)
+            hnet = server.method.hnet
+            hnet.embeddings[hnet._name(DISTILL)].add_(1.0)
         assert not torch.equal(server.configure_setup(0, [0])[0]["theta_d"], sent[0]["theta_d"])
     fed = _dd_server(FedAvgDDParams(distill_model="mlp"), FedAvgDDServer)
     a, b = fed.configure_setup(0, [0, 1]).values()
@@ -727,7 +727,7 @@ def test_mh_pfedhndd_evaluates_the_generated_personalized_model():
     server = _dd_server(MHPFedHNDDParams(distill_model="mlp", out_dim=64, hidden=8))
     msgs = server.configure_eval([0, 1])
     with torch.no_grad():
-        gen = server.hnet.generate([0, 1])
+        gen = server.method.hnet.generate([0, 1])
     assert torch.equal(msgs[0]["theta"], gen[0]) and torch.equal(msgs[1]["theta"], gen[1])
     assert not torch.equal(gen[0], gen[1])  # personalized: one model per client
     client, group, state, _, _ = _fit_setup(
@@ -745,7 +745,7 @@ def test_fedavg_dd_evaluates_the_global_model_and_one_shot_the_model_trained_on_
     one epoch over the 4 merged images = one step of the full-batch gradient) and clients are
     evaluated with that model."""
     server = _dd_server(FedAvgDDParams(distill_model="mlp"), FedAvgDDServer)
-    theta0 = server.theta[str(_tiny_fm().num_params)].clone()
+    theta0 = server.method.theta[str(_tiny_fm().num_params)].clone()
     assert all(torch.equal(m["theta"], theta0) for m in server.configure_eval([0, 1]).values())
     fm = _tiny_fm()
     fm32 = FunctionalModel(_Tiny(D_IN, D_FEAT, NCLS), "tiny")  # the server's float32 model
@@ -755,7 +755,7 @@ def test_fedavg_dd_evaluates_the_global_model_and_one_shot_the_model_trained_on_
         fm32,
     )
     key = str(fm.num_params)
-    start = one.theta[key].clone()
+    start = one.method.theta[key].clone()
     replies = _hand_sets()
     replies[1] = {"syn_x": replies[1]["syn_x"][:1], "syn_y": replies[1]["syn_y"][:1]}  # M = 4
     one.aggregate_setup(0, replies)
@@ -808,12 +808,14 @@ def test_held_out_clients_images_are_not_in_the_merged_set():
     """Fig. 3 (generalization with DD): S is merged from the training clients' S_i only; a
     held-out client (new_clients) joins later and contributes nothing, but receives S."""
     sim = _sim(**{"algorithm.new_clients": 0.34, "algorithm.adapt_rounds": 1})
-    assert sim.server.new_ids == [2]
+    assert sim.server.method.new_ids == [2]  # type: ignore[attr-defined]
     info = sim.run_setup()
     held = [torch.unique(sim.data.y[sim.data.train_idx[c]]).numel() for c in (0, 1)]
-    assert sim.server.syn_y.numel() == 2 * sum(held)  # ipc = 2 per class of clients 0 and 1
+    assert sim.server.shared_synthetic()[1].numel() == 2 * sum(
+        held
+    )  # ipc = 2 per class of clients 0 and 1
     assert info["setup"]["rejected"] == []
-    assert torch.equal(sim.store[2]["syn_y"], sim.server.syn_y)  # it still gets S
+    assert torch.equal(sim.store[2]["syn_y"], sim.server.shared_synthetic()[1])  # it still gets S
 
 
 def test_cc_reduction_sum_is_eq5s_sum_over_the_anchors(digits_data):

@@ -35,7 +35,6 @@ from hyperfed.algorithms.mh_pfedhn import (
     MHPFedHNParams,
     MHPFedHNServer,
     deploying_clients,
-    mode_parameters,
 )
 from hyperfed.config import load_config
 from hyperfed.data.federated import FederatedData
@@ -43,6 +42,7 @@ from hyperfed.engine.local import SGDConfig
 from hyperfed.errors import ConfigError
 from hyperfed.hypernet.multihead import MultiHeadHypernet
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.select import select_names
 from hyperfed.models.zoo import build_model, param_count
 from hyperfed.runtime.simulate import Simulation
 
@@ -161,19 +161,19 @@ def test_mode_globs_and_prefixes_name_the_layers_the_paper_means():
         if isinstance(m, nn.BatchNorm2d)
         for p_name, _ in m.named_parameters(recurse=False)
     }
-    got = mode_parameters(fm, "*.bn*,classifier", 3)
+    got = select_names(fm, "*.bn*,classifier", 3)
     assert set(got) == bn | {"classifier.weight", "classifier.bias"}
     assert len(bn) == 2 * (1 + 2 * 10)  # stem BN + two per residual block, weight and bias
     lenet = FunctionalModel(build_model("lenet", (3, 32, 32), 100), "lenet")
-    assert mode_parameters(lenet, "fc.2, classifier", 0) == [
+    assert select_names(lenet, "fc.2, classifier", 0) == [
         "fc.2.weight",
         "fc.2.bias",
         "classifier.weight",
         "classifier.bias",
     ]
-    assert mode_parameters(lenet, "", 0) == []
+    assert select_names(lenet, "", 0) == []
     with pytest.raises(ConfigError, match=r"'fc.9' names no parameter of its model lenet") as e:
-        mode_parameters(lenet, "fc.9,classifier", 4)
+        select_names(lenet, "fc.9,classifier", 4)
     assert "\n" not in str(e.value)
 
 
@@ -203,7 +203,7 @@ def test_heterogeneous_mode_configs(path):
     fms = {a: FunctionalModel(build_model(a, shape, classes), a) for a in set(arch)}
     seen: dict[str, set[frozenset[str]]] = {}
     for c, a in enumerate(arch):
-        names = frozenset(mode_parameters(fms[a], modes[c % len(modes)], c))
+        names = frozenset(select_names(fms[a], modes[c % len(modes)], c))
         seen.setdefault(a, set()).add(names)
     for a, got in seen.items():
         names = fms[a].layout.names

@@ -242,8 +242,8 @@ def test_fedbn_keeps_the_instance_norm_of_convnet_in_local() -> None:
     """FedBN's local part on seed 003's ConvNet: the 768 affine norm parameters of
     ``convnet_in`` (3 layers x 128 channels x (gamma, beta)); none on the plain ``convnet``,
     where FedBN is FedAvg."""
-    from hyperfed.algorithms.fedbn import norm_mask
     from hyperfed.models.layout import FunctionalModel
+    from hyperfed.models.select import norm_mask
 
     fm = FunctionalModel(_build("convnet_in", (3, 32, 32), 10), "convnet_in")
     mask = norm_mask(fm)

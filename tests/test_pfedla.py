@@ -26,10 +26,10 @@ from hyperfed.algorithms.pfedla import (
     PFedLAServer,
     UpdateClient,
     client_init,
-    module_layers,
 )
 from hyperfed.engine.local import SGDConfig
 from hyperfed.errors import ConfigError
+from hyperfed.models.select import module_layers
 
 CPU = torch.device("cpu")
 N = 3  # clients

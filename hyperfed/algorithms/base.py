@@ -16,6 +16,16 @@ client: ``Server.configure_setup(stage, ids)`` -> ``Client.setup`` -> ``Server.a
 for stage 0, 1, ... until ``configure_setup`` returns nothing (the default: no setup). The
 simulator runs them once, never when resuming; their bytes count into the totals.
 Decentralized algorithms replace the server by ``Client.mix`` over a mixing matrix.
+
+**Core and capabilities.** Every method has the core hooks (:data:`SERVER_CORE`,
+:data:`CLIENT_CORE`). The rest are opt-in capabilities (:data:`SERVER_CAPABILITIES`,
+:data:`CLIENT_CAPABILITIES`): a setup stage, an exchange before evaluation, eligibility and
+evaluation groups, inspection for the gradient-inversion harness, heavy phases. ``Server`` and
+``Client`` answer a capability's hooks with "not present" (no setup, every client eligible, no
+groups, nothing to inspect); a method *has* a capability when it defines one of its hooks
+(:meth:`Capability.held_by`). A wrapper that holds another method's role (``plug_in``) forwards
+the core and exactly the capabilities the wrapped role has (:func:`forward_hooks`), so a new
+hook needs no forwarder written by hand.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from hyperfed.data.federated import FederatedData
+from hyperfed.engine.codec import nonfinite_tensor as nonfinite_tensor
 from hyperfed.engine.local import (
     BatchPlan,
     LossFn,
@@ -41,7 +52,7 @@ from hyperfed.engine.local import (
     train_reference,
 )
 from hyperfed.engine.losses import weighted_average
-from hyperfed.errors import ConfigError
+from hyperfed.engine.representations import shared_join_value as shared_join_value
 from hyperfed.hparams import Space as Space
 from hyperfed.hparams import chosen as chosen  # re-exported for method files
 from hyperfed.hparams import hparam_sources as hparam_sources
@@ -66,23 +77,6 @@ def stack_payloads(payloads: list[Payload]) -> Payload:
 
 def unstack_payload(payload: Payload, n: int) -> list[Payload]:
     return [{k: v[i] for k, v in payload.items()} for i in range(n)]
-
-
-def nonfinite_tensor(payload: Payload) -> str | None:
-    """Which tensor of ``payload`` holds NaN or Inf (None if all are finite)."""
-    for key, value in payload.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            return f"{key} contains NaN or Inf"
-    return None
-
-
-def shared_join_value(clients: dict[int, Payload], key: str, problem: str) -> int:
-    """The join value ``key`` that every client must report alike (a feature width, the size
-    of the shared layers); otherwise a ConfigError, ``problem`` formatted with ``{values}``."""
-    values = sorted({int(p[key]) for p in clients.values()})
-    if len(values) > 1:
-        raise ConfigError(problem.format(values=values))
-    return values[0]
 
 
 @dataclass
@@ -395,6 +389,78 @@ class PersonalModelClient(Client):
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return state["theta"], state["buffers"]
+
+
+# -- the protocol: a core every method has, opt-in capabilities ----------------------------------
+SERVER_CORE = (
+    "configure_train",
+    "reply_shapes",
+    "check_reply",
+    "aggregate",
+    "configure_eval",
+    "state_dict",
+    "load_state_dict",
+)
+CLIENT_CORE = ("join", "init_state", "init_states", "fit", "eval_model", "eval_network")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """An opt-in part of the protocol: hooks a role defines only when it has the feature (the
+    base class answers them with "not present")."""
+
+    name: str
+    hooks: tuple[str, ...]
+    role: type  # Server or Client: whose defaults mean "not present"
+
+    def held_by(self, role: object) -> bool:
+        """Whether ``role`` (an instance or a class) defines one of the hooks itself."""
+        cls = role if isinstance(role, type) else type(role)
+        return any(
+            getattr(cls, hook, None) is not getattr(self.role, hook, None) for hook in self.hooks
+        )
+
+
+SETUP_STAGE = Capability(
+    "setup stage", ("configure_setup", "check_setup_reply", "aggregate_setup"), Server
+)
+EVAL_EXCHANGE = Capability("exchange before evaluation", ("configure_eval_request",), Server)
+CLIENT_GROUPS = Capability(
+    "eligibility and evaluation groups", ("eligible_clients", "eval_groups"), Server
+)
+INSPECTION = Capability(
+    "inspection (hyperfed attack)", ("model_updates", "shared_synthetic"), Server
+)
+SERVER_CAPABILITIES = (SETUP_STAGE, EVAL_EXCHANGE, CLIENT_GROUPS, INSPECTION)
+CLIENT_SETUP = Capability("setup stage", ("setup",), Client)
+HEAVY_PHASES = Capability("heavy phases (timed before a run)", ("heavy_phases",), Client)
+GOSSIP = Capability("gossip (decentralized)", ("mix",), Client)
+CLIENT_CAPABILITIES = (CLIENT_SETUP, HEAVY_PHASES, GOSSIP)
+
+
+def _forwarder(attr: str, hook: str) -> Callable[..., Any]:
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(self, attr), hook)(*args, **kwargs)
+
+    forward.__name__ = hook
+    forward.__doc__ = f"``self.{attr}.{hook}``: the wrapped role's own."
+    return forward
+
+
+def forward_hooks(wrapper: type, attr: str, inner: type) -> list[str]:
+    """Give the class ``wrapper`` (which holds a role of class ``inner`` as ``self.<attr>``) a
+    forwarder for each core hook and each hook of a capability ``inner`` has, except the hooks
+    ``wrapper`` defines itself; a capability ``inner`` lacks keeps the base "not present"
+    answer. Returns the forwarded hooks."""
+    server = issubclass(inner, Server)
+    core = SERVER_CORE if server else CLIENT_CORE
+    caps = SERVER_CAPABILITIES if server else CLIENT_CAPABILITIES
+    hooks = [*core, *(h for cap in caps if cap.held_by(inner) for h in cap.hooks)]
+    own = {h for cls in wrapper.__mro__ if cls not in (Server, Client, object) for h in vars(cls)}
+    forwarded = [h for h in hooks if h not in own and hasattr(inner, h)]
+    for hook in forwarded:
+        setattr(wrapper, hook, _forwarder(attr, hook))
+    return forwarded
 
 
 # What a method's evaluation scores on each client's own test split (``Algorithm.scores``): every

@@ -39,12 +39,12 @@ round). A non-sampled client's logits stay as it last sent them (the official co
 averages only over this round's participants). The relay holds D^Syn as ``syn_x``/``syn_y``
 (what ``hyperfed attack`` scores).
 
-Shared mechanics: stage 0 and 1 are MH-pFedHNDD's distillation phase
-(:class:`~hyperfed.algorithms.mh_pfedhndd.SyntheticSetupServer` /
-:class:`~hyperfed.algorithms.mh_pfedhndd.SyntheticClient`, with
-:func:`~hyperfed.algorithms.dataset_distillation.distill_synthetic` set to DM: noise
+Shared mechanics: stage 0 and 1 are MH-pFedHNDD's distillation phase, a component the relay
+and the client hold (:class:`~hyperfed.distill.component.DistilledSetServer` with
+:func:`mix_anchors` as its merge, :class:`~hyperfed.distill.component.DistilledSetClient`, with
+:func:`~hyperfed.distill.synthesis.distill_synthetic` set to DM: noise
 initialization, a fresh network every iteration, no contrastive term); ``L_REG`` is
-:func:`~hyperfed.algorithms.dataset_distillation.supcon_loss` (rescaled to the code's mean over
+:func:`~hyperfed.distill.losses.supcon_loss` (rescaled to the code's mean over
 all samples); ``L_KD``'s KL is :func:`~hyperfed.engine.losses.kd_loss`.
 
 Differences from the official code: **no DiffAugment in the synthesis** (the code's DM
@@ -84,16 +84,22 @@ from hyperfed.algorithms.base import (
     ClientGroup,
     Payload,
     PersonalModelClient,
+    Server,
     ServerContext,
     chosen,
     nonfinite_tensor,
 )
-from hyperfed.algorithms.dataset_distillation import DistillConfig, group_batches, supcon_loss
-from hyperfed.algorithms.mh_pfedhndd import DISTILL_SALT, SyntheticClient, SyntheticSetupServer
+from hyperfed.distill.component import (
+    DistilledSetClient,
+    DistilledSetServer,
+    seeded_distill_theta,
+)
+from hyperfed.distill.losses import group_batches, supcon_loss
+from hyperfed.distill.synthesis import DistillConfig
 from hyperfed.engine.losses import kd_loss
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
-from hyperfed.models.zoo import build_model
+from hyperfed.progress import PhaseCost
 
 ANCHOR_SALT = 53  # seeds of the anchor batches in local training
 # "mean": the KL averaged over batch x classes (the official code's nn.KLDivLoss() default);
@@ -235,46 +241,57 @@ def desa_objective(
     return loss, new_buffers
 
 
-class DESAServer(SyntheticSetupServer):
+class DESAServer(Server):
     """The relay: mixes the anchors (setup), forwards the other clients' mean logits."""
 
     def __init__(self, hp: DESAParams, clients: dict[int, Payload], ctx: ServerContext) -> None:
         super().__init__(hp, clients, ctx)
+        # stages 0-1: theta_d is stage 0's first network (then a fresh one every iteration,
+        # step 1), seeded; the sets are mixed into anchors (step 2)
+        theta_d = partial(
+            seeded_distill_theta,
+            hp.distill_model,
+            ctx.input_shape,
+            ctx.num_classes,
+            ctx.seed,
+            ctx.device,
+        )
+        mix = partial(mix_anchors, ipc=hp.ipc, num_classes=ctx.num_classes)
+        self.anchors = DistilledSetServer(
+            ctx.input_shape, ctx.num_classes, ctx.device, distill_theta=theta_d, merge=mix
+        )
         n, k = len(clients), ctx.num_classes
         self.logits = torch.zeros(n, 0, k, device=ctx.device)  # latest logits on D^Syn
         self.has_logits = torch.zeros(n, dtype=torch.bool, device=ctx.device)
 
-    def distill_theta(self) -> Tensor:
-        """Stage 0's first network (then a fresh one every iteration, step 1), seeded."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.seed + DISTILL_SALT)
-            module = build_model(self.hp.distill_model, self.ctx.input_shape, self.ctx.num_classes)
-        return FunctionalModel(module).initial_params().to(self.ctx.device)
+    def shared_synthetic(self) -> tuple[Tensor, Tensor] | None:
+        return self.anchors.shared_synthetic()
 
     def configure_setup(self, stage: int, client_ids: list[int]) -> dict[int, Payload]:
         if stage == 2:  # the clients' logits on D^Syn from their initial models
             return {c: {} for c in client_ids}
-        return super().configure_setup(stage, client_ids)
+        return self.anchors.configure_setup(stage, client_ids)
 
     def check_setup_reply(self, stage: int, client_id: int, reply: Payload) -> str | None:
         if stage != 2:
-            return super().check_setup_reply(stage, client_id, reply)
+            return self.anchors.check_setup_reply(stage, client_id, reply)
         return self.check_reply(client_id, reply)
 
     def aggregate_setup(self, stage: int, replies: dict[int, Payload]) -> None:
         if stage == 0 and replies:  # step 2: mix the clients' sets into the global anchors
-            ids = sorted(replies)
-            x, y = mix_anchors(
-                [replies[c]["syn_x"] for c in ids],
-                [replies[c]["syn_y"] for c in ids],
-                self.hp.ipc,
-                self.ctx.num_classes,
-            )
-            self.syn_x, self.syn_y = x.to(self.ctx.device), y.to(self.ctx.device)
-            n, m = len(self.clients), int(y.numel())
+            self.anchors.aggregate_setup(stage, replies)
+            n, m = len(self.clients), int(self.anchors.syn_y.numel())
             self.logits = torch.zeros(n, m, self.ctx.num_classes, device=self.ctx.device)
         elif stage == 2:
             self.aggregate(0, replies)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "anchors": self.anchors.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.anchors.load_state_dict(state.pop("anchors"))
+        super().load_state_dict(state)
 
     def teacher(self, client_id: int) -> tuple[Tensor, Tensor]:
         """The mean of the other clients' latest logits on D^Syn, and 1 (0 if there are none)."""
@@ -308,11 +325,19 @@ class DESAServer(SyntheticSetupServer):
             self.has_logits[c] = True
 
 
-class DESAClient(SyntheticClient, PersonalModelClient):
+class DESAClient(PersonalModelClient):
     """Each client keeps its own model (any architecture) and D^Syn (``syn_x``, ``syn_y``)."""
 
     def __init__(self, hp: Any, ctx: Any) -> None:
         super().__init__(hp, ctx)
+        self.anchors = DistilledSetClient(hp, ctx.input_shape, ctx.num_classes, ctx.device)
+
+    def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
+        return {**super().init_state(fm, num_clients), **self.anchors.init_state(num_clients)}
+
+    def heavy_phases(self, group: ClientGroup) -> list[PhaseCost]:
+        """The setup's distillation (step 1), timed before the run."""
+        return self.anchors.heavy_phases(group)
 
     def anchor_logits(self, group: ClientGroup, theta: Tensor, state: dict[str, Tensor]) -> Tensor:
         """Each client's logits on D^Syn (its model in inference mode): what it shares."""
@@ -327,7 +352,7 @@ class DESAClient(SyntheticClient, PersonalModelClient):
         self, stage: int, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[list[Payload], dict[str, Tensor], dict[str, Tensor]]:
         if stage < 2:
-            return super().setup(stage, group, msg, state)
+            return self.anchors.setup(stage, group, msg, state)
         with torch.no_grad():
             z = self.anchor_logits(group, state["theta"], state)
         return [{"logits": z[c]} for c in range(group.size)], state, {}

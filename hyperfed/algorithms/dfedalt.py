@@ -52,11 +52,6 @@ class DFedAltParams(GossipParams):
             raise ValueError("epochs_v and epochs_u must be >= 0")
 
 
-def phase(sgd: SGDConfig, epochs: int, lr: float | None) -> SGDConfig:
-    """The local SGD settings of one alternating phase."""
-    return dataclasses.replace(sgd, epochs=epochs, lr=sgd.lr if lr is None else lr)
-
-
 class DFedAltServer(GossipServer):
     def shapes(self) -> dict[str, tuple[int, ...]]:
         assert self.ctx.shared_model is not None, "dfedalt needs one architecture for all"
@@ -65,6 +60,11 @@ class DFedAltServer(GossipServer):
 
 class DFedAltClient(Client):
     shared_keys: tuple[str, ...] = ("shared",)  # the payload sent to neighbours
+
+    @staticmethod
+    def phase(sgd: SGDConfig, epochs: int, lr: float | None) -> SGDConfig:
+        """The local SGD settings of one alternating phase (DFedHP's client uses it too)."""
+        return dataclasses.replace(sgd, epochs=epochs, lr=sgd.lr if lr is None else lr)
 
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
         return {}
@@ -91,7 +91,7 @@ class DFedAltClient(Client):
             theta,
             state["buffers"],
             trainable=split.head_mask(),
-            sgd=phase(group.sgd, self.hp.epochs_v, self.hp.lr_v),
+            sgd=self.phase(group.sgd, self.hp.epochs_v, self.hp.lr_v),
             salt=0,
         )
         return {**state, "head": split.head(theta), "buffers": buffers}, loss
@@ -108,7 +108,7 @@ class DFedAltClient(Client):
             theta,
             state["buffers"],
             trainable=~split.head_mask(),
-            sgd=phase(group.sgd, self.hp.epochs_u, self.hp.lr_u),
+            sgd=self.phase(group.sgd, self.hp.epochs_u, self.hp.lr_u),
             salt=1,
         )
         return {**state, "shared": split.body(theta), "buffers": buffers}, loss

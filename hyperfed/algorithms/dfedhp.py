@@ -52,7 +52,7 @@ from hyperfed.algorithms.base import (
     chosen,
     paper,
 )
-from hyperfed.algorithms.dfedalt import DFedAltClient, phase
+from hyperfed.algorithms.dfedalt import DFedAltClient
 from hyperfed.engine.topology import GossipParams
 from hyperfed.hypernet.filter import FilterHypernet
 from hyperfed.models.layout import FunctionalModel
@@ -239,7 +239,7 @@ class DFedHPClient(DFedAltClient):
                 buffers,
                 loss_fn=loss_fn,
                 trainable=mask,
-                sgd=phase(group.sgd, epochs, lr),
+                sgd=self.phase(group.sgd, epochs, lr),
                 salt=salt,
             )
         new = {**state, "phi": packed[:, :p], "z": packed[:, p : p + z], "buffers": buffers}

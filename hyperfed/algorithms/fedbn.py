@@ -50,49 +50,14 @@ import logging
 from dataclasses import dataclass
 from functools import cache
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from hyperfed.algorithms.base import Algorithm, Client, ClientGroup, Payload, Server, ServerContext
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.select import norm_mask, split_by_mask
 from hyperfed.models.split import BodyHead
 
 log = logging.getLogger("hyperfed")
-
-# normalization layers whose affine parameters FedBN keeps on the client
-NORM_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._BatchNorm,
-    nn.modules.instancenorm._InstanceNorm,
-    nn.GroupNorm,
-)
-
-
-# -- shared helpers (candidates for models/split.py) ----------------------------------------
-
-
-def norm_mask(fm: FunctionalModel) -> Tensor:
-    """Bool ``[K]``: True on the affine parameters of every normalization layer of ``fm``
-    (found from the module tree and the parameter layout, not from naming conventions)."""
-    names = set()
-    for mod_name, mod in fm.module.named_modules():
-        if isinstance(mod, NORM_LAYERS):
-            for p_name, _ in mod.named_parameters(recurse=False):
-                names.add(f"{mod_name}.{p_name}" if mod_name else p_name)
-    mask = torch.zeros(fm.num_params, dtype=torch.bool)
-    for seg in fm.layout.segments:
-        if seg.name in names:
-            mask[seg.offset : seg.end] = True
-    return mask
-
-
-def split_by_mask(mask: Tensor, device: torch.device | None = None) -> BodyHead:
-    """A :class:`BodyHead` view whose ``head`` is the True entries of ``mask`` (the client's
-    own part) and whose ``body`` is the rest (the shared part); either may be empty."""
-    body_idx = torch.nonzero(~mask).squeeze(1)
-    head_idx = torch.nonzero(mask).squeeze(1)
-    order = torch.argsort(torch.cat([body_idx, head_idx]))
-    dev = device or torch.device("cpu")
-    return BodyHead(body_idx.to(dev), head_idx.to(dev), order.to(dev))
 
 
 @cache

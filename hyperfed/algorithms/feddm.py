@@ -20,10 +20,10 @@ Every client is evaluated with the global model (the server's w and its BatchNor
 trained on S). One architecture for all clients (``homogeneous_only``): S is matched to the
 global model, and the paper trains one.
 
-Shared mechanics: :func:`~hyperfed.algorithms.dataset_distillation.distill_matching` (the DM
+Shared mechanics: :func:`~hyperfed.distill.synthesis.distill_matching` (the DM
 loss of MH-pFedHNDD, Eq. 4 of seed 003, with a model per iteration),
-:func:`~hyperfed.algorithms.dataset_distillation.perturb_within` (the radius-rho sample) and
-:func:`~hyperfed.algorithms.dataset_distillation.train_on_synthetic` (the server's SGD).
+:func:`~hyperfed.distill.synthesis.perturb_within` (the radius-rho sample) and
+:func:`~hyperfed.distill.synthesis.train_on_synthetic` (the server's SGD).
 
 Choices (the paper's text was read through secondary sources here; every default below is
 marked ``chosen`` with its evidence):
@@ -58,7 +58,7 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
 )
-from hyperfed.algorithms.dataset_distillation import (
+from hyperfed.distill.synthesis import (
     DistillConfig,
     check_padded_synthetic,
     clients_text,

@@ -75,7 +75,6 @@ count-free class payload and its check).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -91,16 +90,21 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
     paper,
-    shared_join_value,
 )
 from hyperfed.engine.local import client_seed
-from hyperfed.engine.losses import check_class_payload, class_means, pack_classes
-from hyperfed.errors import ConfigError
+from hyperfed.engine.losses import class_means, pack_classes
+from hyperfed.engine.representations import (
+    KEYS,
+    check_class_reply,
+    common_width,
+    minibatches,
+    representation_join,
+    uploaded_pairs,
+    with_header,
+)
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.progress import phase
 
-KEYS = ("proto_classes", "protos")
-HEADER = ("classifier.weight", "classifier.bias")
 SERVER_EPOCHS, SERVER_BATCH = 100, 10  # HtFLlib's schedule; LipingYi/FedGH's is 1, 1
 REFERENCE = (
     "HtFLlib (TsingZ0/HtFLlib servergh.py): server header 100 epochs x batch 10 at lr 0.01, "
@@ -109,34 +113,7 @@ REFERENCE = (
 )
 
 
-# -- shared with FedTGP ----------------------------------------------------------------------
-def representation_join(fm: FunctionalModel, num_samples: int, method: str) -> Payload:
-    """Join payload of a client that shares representations: ``n_k`` and the width d of its
-    representation (the input of its last Linear, ``classifier``), checked against the model."""
-    module = fm.module
-    dim = getattr(module, "feature_dim", None)
-    head = getattr(module, "classifier", None)
-    if not isinstance(dim, int) or not isinstance(head, nn.Linear) or head.in_features != dim:
-        raise ConfigError(
-            f"clients.models: {method} needs a zoo model whose last layer is a Linear "
-            f"`classifier` on its representation; {fm.name} is not"
-        )
-    return {
-        "num_samples": torch.tensor(num_samples, dtype=torch.int64),
-        "feature_dim": torch.tensor(dim, dtype=torch.int64),
-    }
-
-
-def common_width(clients: dict[int, Payload], method: str) -> int:
-    """The representation width every client reported at join (a ConfigError otherwise)."""
-    return shared_join_value(
-        clients,
-        "feature_dim",
-        f"clients.models: {method} needs one representation size for all clients "
-        "(got {values}); choose models whose last hidden layer has the same width",
-    )
-
-
+# -- shared with FedTGP: hyperfed.engine.representations --------------------------------------
 def class_mean_reply(group: ClientGroup, theta: Tensor, buffers: Tensor) -> dict[str, Tensor]:
     """Per-class mean representation of each client's *trained* model on its training split
     (FedGH's LAR, FedTGP's client prototype), packed as ``proto_classes [C, S]`` and
@@ -146,52 +123,6 @@ def class_mean_reply(group: ClientGroup, theta: Tensor, buffers: Tensor) -> dict
     )
     classes, values, _ = pack_classes(means, counts)
     return {KEYS[0]: classes, KEYS[1]: values}
-
-
-def check_class_reply(reply: Payload, num_classes: int, dim: int) -> str | None:
-    """Why a ``(proto_classes, protos)`` reply is malformed (missing / extra tensor, shapes,
-    class ids outside ``[-1, classes)``, NaN/Inf), or None."""
-    if set(reply) != set(KEYS):
-        return f"expected {', '.join(KEYS)}, got {sorted(reply)}"
-    cls = reply[KEYS[0]]
-    ones = torch.ones(cls.shape[:1], device=cls.device)  # count-free: every slot counts once
-    return check_class_payload({**reply, "_n": ones}, (*KEYS, "_n"), num_classes, dim)
-
-
-def uploaded_pairs(replies: dict[int, Payload]) -> tuple[Tensor, Tensor]:
-    """All (representation, class) pairs of the replies, padding dropped, in client-id and
-    slot order: ``(protos [M, d], labels [M])``."""
-    protos, labels = [], []
-    for cid in sorted(replies):
-        cls, val = replies[cid][KEYS[0]], replies[cid][KEYS[1]]
-        keep = cls >= 0
-        protos.append(val[keep])
-        labels.append(cls[keep].long())
-    return torch.cat(protos), torch.cat(labels)
-
-
-def minibatches(m: int, batch_size: int, seed: int, device: torch.device) -> list[Tensor]:
-    """One shuffled pass over ``m`` items in batches of ``batch_size`` (the last may be short),
-    from a generator seeded by ``seed`` (reproducible, resumable)."""
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(m, generator=g).to(device)
-    return list(perm.split(batch_size))
-
-
-@cache
-def header_index(fm: FunctionalModel) -> Tensor:
-    """Positions of the header (``classifier.weight`` row-major, then ``classifier.bias``) in
-    the model's flat vector."""
-    segs = {s.name: s for s in fm.layout.segments}
-    idx = [torch.arange(segs[n].offset, segs[n].end) for n in HEADER]
-    return torch.cat(idx).to(fm.initial_params().device)
-
-
-def with_header(fm: FunctionalModel, theta: Tensor, header: Tensor) -> Tensor:
-    """``theta [C, K]`` with its header entries replaced by ``header [C, classes * (d + 1)]``."""
-    out = theta.clone()
-    out[:, header_index(fm)] = header.to(theta.dtype)
-    return out
 
 
 # -- FedGH -----------------------------------------------------------------------------------

@@ -70,9 +70,9 @@ from hyperfed.algorithms.base import (
     chosen,
     paper,
 )
-from hyperfed.algorithms.fedbn import split_by_mask
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.select import split_by_mask
 from hyperfed.models.split import BodyHead
 
 

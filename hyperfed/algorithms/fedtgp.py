@@ -60,7 +60,9 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
 )
-from hyperfed.algorithms.fedgh import (
+from hyperfed.algorithms.fedproto import FedProtoClient
+from hyperfed.engine.local import client_seed
+from hyperfed.engine.representations import (
     KEYS,
     check_class_reply,
     common_width,
@@ -69,8 +71,6 @@ from hyperfed.algorithms.fedgh import (
     representation_join,
     uploaded_pairs,
 )
-from hyperfed.algorithms.fedproto import FedProtoClient
-from hyperfed.engine.local import client_seed
 from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.progress import phase

@@ -86,7 +86,6 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from functools import partial
 
 import numpy as np
@@ -106,6 +105,7 @@ from hyperfed.algorithms.base import (
     paper,
 )
 from hyperfed.algorithms.local_settings import SEED000
+from hyperfed.engine.codec import check_update, decode_update, encode_update
 from hyperfed.engine.local import LossFn, cross_entropy_loss, per_parameter
 from hyperfed.engine.losses import kd_loss
 from hyperfed.engine.optim import adam
@@ -113,6 +113,7 @@ from hyperfed.errors import ConfigError
 from hyperfed.hparams import Space
 from hyperfed.hypernet.multihead import HEAD_MODES, MultiHeadHypernet
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.select import select_names
 from hyperfed.models.zoo import build_model
 
 GLOBAL = -1  # the global model's slot in the hypernetwork
@@ -200,36 +201,7 @@ class MHPFedHNGDParams(MHPFedHNParams):
     distill: bool = paper(True, "seed 000 §3.3, Eq. 8")
 
 
-# -- what crosses the wire ------------------------------------------------------------------
-def encode_update(delta: Tensor, fraction: float, name: str) -> Payload:
-    """The update as sent: dense, or the top-``fraction`` entries by magnitude (Table 12)."""
-    if fraction >= 1.0:
-        return {name: delta}
-    k = max(1, math.ceil(fraction * delta.shape[-1]))
-    idx = delta.abs().topk(k, dim=-1).indices
-    return {f"{name}_idx": idx.to(torch.int32), f"{name}_val": delta.gather(-1, idx)}
-
-
-def decode_update(payload: Payload, name: str, length: int) -> Tensor:
-    if name in payload:
-        return payload[name]
-    idx, val = payload[f"{name}_idx"].long(), payload[f"{name}_val"]
-    return torch.zeros(length, dtype=val.dtype, device=val.device).scatter_(0, idx, val)
-
-
-def _check_update(payload: Payload, name: str, length: int) -> str | None:
-    if name in payload:
-        if payload[name].shape != (length,):
-            return f"{name} has shape {tuple(payload[name].shape)}, expected ({length},)"
-    elif f"{name}_idx" in payload and f"{name}_val" in payload:
-        idx = payload[f"{name}_idx"]
-        if idx.shape != payload[f"{name}_val"].shape or idx.dim() != 1:
-            return f"{name}_idx and {name}_val must be 1-D of equal length"
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= length):
-            return f"{name}_idx out of range [0, {length})"
-    else:
-        return f"missing {name}"
-    return None
+# -- what crosses the wire: Delta theta_i, dense or top-k (hyperfed.engine.codec) -----------
 
 
 def architecture_tag(fm: FunctionalModel) -> Tensor:
@@ -362,9 +334,9 @@ class MHPFedHNServer(Server):
         return shapes
 
     def check_reply(self, client_id: int, reply: Payload) -> str | None:
-        problem = _check_update(reply, "delta", self.hnet.sizes[client_id])
+        problem = check_update(reply, "delta", self.hnet.sizes[client_id])
         if problem is None and self.hp.global_model:
-            problem = _check_update(reply, "global_delta", self.hnet.sizes[GLOBAL])
+            problem = check_update(reply, "global_delta", self.hnet.sizes[GLOBAL])
         return problem or super().check_reply(client_id, reply)
 
     def _step(self, output_grads: dict[int, Tensor], only: list[Tensor] | None = None) -> None:
@@ -468,7 +440,7 @@ class MHPFedHNClient(Client):
         if not modes:
             return None
         rows = [
-            group.fm.layout.mask(mode_parameters(group.fm, modes[c % len(modes)], c))
+            group.fm.layout.mask(select_names(group.fm, modes[c % len(modes)], c))
             for c in group.client_ids
         ]
         return torch.stack(rows).to(group.data.x.device)
@@ -558,29 +530,6 @@ class MHPFedHNClient(Client):
         """The generated theta_i, as pFedHN evaluates (no local fine-tuning), with the
         client's own values in its personal layers."""
         return self._personalize(group, msg["theta"], state), state["buffers"]
-
-
-def mode_parameters(fm: FunctionalModel, mode: str, client: int) -> list[str]:
-    """The parameter names a personal/frozen ``mode`` names: comma-separated entries, each a
-    name prefix (``"fc.2"``) or, with ``*``/``?``/``[``, a glob over names (``"*.bn*"``: every
-    BatchNorm of a ResNet). An entry that names nothing in the client's model is an error."""
-    names = fm.layout.names
-    chosen_names: list[str] = []
-    for entry in (e.strip() for e in mode.split(",")):
-        if not entry:
-            continue
-        if any(ch in entry for ch in "*?["):
-            hit = [n for n in names if fnmatchcase(n, entry) or fnmatchcase(n, entry + ".*")]
-        else:
-            hit = [n for n in names if n.startswith(entry)]
-        if not hit:
-            tops = sorted({n.rsplit(".", 1)[0] for n in names})
-            raise ConfigError(
-                f"layer mode {mode!r} of client {client}: {entry!r} names no parameter of its "
-                f"model {fm.name} (layers: {', '.join(tops[:8])}{', ...' if len(tops) > 8 else ''})"
-            )
-        chosen_names += hit
-    return chosen_names
 
 
 def _entry(name: str, summary: str, hparams: type) -> Algorithm:

@@ -55,9 +55,9 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
 )
-from hyperfed.algorithms.fedbn import norm_mask, split_by_mask
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.select import norm_mask, split_by_mask
 from hyperfed.models.split import BodyHead
 
 

@@ -119,6 +119,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel, fresh_init
+from hyperfed.models.select import module_layers
 
 REFERENCE = "KarhouTam/pFedLA (FL-bench's pfedla.py agrees)"
 INITS = ("per_client", "shared")
@@ -167,15 +168,6 @@ class PFedLAParams:
             raise ValueError(
                 f"hn_direction must be one of {', '.join(DIRECTIONS)} (got {self.hn_direction!r})"
             )
-
-
-def module_layers(fm: FunctionalModel) -> list[list[tuple[int, int]]]:
-    """The model's layers as lists of ``(start, end)`` ranges of theta: parameter tensors
-    whose names share the module prefix (everything before the last '.') form one layer."""
-    layers: dict[str, list[tuple[int, int]]] = {}
-    for seg in fm.layout.segments:
-        layers.setdefault(seg.name.rsplit(".", 1)[0], []).append((seg.offset, seg.end))
-    return list(layers.values())
 
 
 class AggregationHypernets(nn.Module):

@@ -24,7 +24,7 @@ client's layer sizes (a layer-wise generator cannot do without them), never its 
 
 This is written from the paper's abstract and the seeds' description; its full text was not
 reachable for this port. Choices made here: a "layer" is a module (weight and bias together,
-:func:`hyperfed.algorithms.pfedla.module_layers`); the client and layer embeddings are added
+:func:`hyperfed.models.select.module_layers`); the client and layer embeddings are added
 (one extractor input of ``embed_dim``); the extractor, the heads and the per-layer embeddings
 are those of :class:`hyperfed.hypernet.multihead.MultiHeadHypernet` (one slot per layer
 module, a head of its own each, one chunk of its size), composed here with the client
@@ -45,10 +45,11 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
 )
-from hyperfed.algorithms.pfedla import UpdateClient, module_layers
+from hyperfed.algorithms.pfedla import UpdateClient
 from hyperfed.engine.optim import adam
 from hyperfed.hypernet.multihead import MultiHeadHypernet
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.select import module_layers
 
 
 @dataclass
