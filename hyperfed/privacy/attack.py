@@ -117,7 +117,7 @@ def run_attack(
     round-``round_`` upload and ``images`` of its training images' gradients.
 
     ``progress(label, total)`` returns a callback advanced once per step (a progress bar)."""
-    from hyperfed.algorithms.mh_pfedhn import decode_update
+    from hyperfed.engine.codec import decode_update
     from hyperfed.runtime.simulate import Simulation
 
     if not 0 <= client < cfg.clients.count:
