@@ -1,5 +1,5 @@
-"""The engine's SGD step on flat parameters: out of place (``_sgd_update``, what CUDA graphs
-and partly-active groups use) vs in place (``_sgd_update_``, the eager loop when every client
+"""The engine's SGD step on flat parameters: out of place (``SGD.step``, what CUDA graphs
+and partly-active groups use) vs in place (``SGD.step_``, the eager loop when every client
 of the group is active). Prints milliseconds per step and the ratio.
 
     python benchmarks/sgd_update.py [--device cpu|cuda]
@@ -11,13 +11,13 @@ import time
 
 import torch
 
-from hyperfed.engine.local import SGDConfig, _sgd_update, _sgd_update_
+from hyperfed.engine.optim import SGD
 
 
 def per_step_ms(in_place: bool, clients: int, size: int, device: torch.device) -> float:
-    sgd = SGDConfig(lr=0.01, momentum=0.9, weight_decay=1e-4)
+    sgd = SGD(lr=0.01, momentum=0.9, weight_decay=1e-4)
     theta = torch.randn(clients, size, device=device)
-    buf = torch.zeros_like(theta)
+    state = sgd.init_state(theta)
     times = []
     for _ in range(40):
         grads = 1e-3 * torch.randn(clients, size, device=device)  # fresh, as autograd gives
@@ -25,9 +25,9 @@ def per_step_ms(in_place: bool, clients: int, size: int, device: torch.device) -
             torch.cuda.synchronize()
         t = time.perf_counter()
         if in_place:
-            _sgd_update_(sgd, theta, buf, grads, None)
+            sgd.step_(theta, grads, state, None)
         else:
-            theta, buf = _sgd_update(sgd, theta, buf, grads, None)
+            theta, state = sgd.step(theta, grads, state, None)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)

@@ -20,7 +20,7 @@ from hyperfed.algorithms.pfedkt import (
 )
 from hyperfed.config import ConfigError, load_config
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import SGDConfig
+from hyperfed.engine.local import FlopMeter, SGDConfig
 from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, update
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
@@ -678,6 +678,33 @@ def test_end_to_end_flops_count_the_hypernetwork_at_every_step():
     b = sim.cfg.local.batch_size
     steps = [math.ceil(len(sim.data.train_idx[c]) / b) for c in (0, 1)]
     assert with_hn - without_flops == sum(3 * generation * s + generation for s in steps) > 0
+
+
+def test_end_to_end_flops_come_from_the_engines_cache_keyed_by_what_is_trained():
+    """End-to-end training is the engine's loop, its FLOPs counted by the engine's one cache
+    (``count_flops``), whose key holds the size of what is trained: two hypernetworks over the
+    same model and loss are each counted as they are. By hand (n_hidden 0): a step adds the
+    generation F = 2 * chunks * (emb_dim * hidden + hidden * chunk) and its backward 2F to
+    the target model's step, and the trained model is generated once more at the end:
+    with - without = sum over clients of (3F * steps + F)."""
+    n, _, _, data, fm, _, _, _ = _e2e_setup(None)
+    group = ClientGroup(fm, [0, 1], data, rnd=1, seed=0, sgd=SGDConfig(epochs=2, batch_size=2))
+    steps = [math.ceil(2 * k / 2) for k in n]  # 3 and 4
+    msg = {"theta": torch.zeros(2, K_LIN, dtype=torch.float64)}
+
+    def flops(**kw) -> int:
+        client = PFedKTClient(PFedKTParams(mu=0.3, alpha=5.0, **kw), _cctx(data))
+        state = {k: v.double() for k, v in client.init_state(fm, 2).items()}
+        with FlopMeter() as meter:
+            client.fit(group, msg, state)
+        return meter.total
+
+    without = flops(use_hypernet=False)
+    for hidden in (3, 5):
+        shape = {**HN_SHAPE, "hidden": hidden}
+        e, c = shape["emb_dim"], shape["chunk"]
+        generation = 2 * math.ceil(K_LIN / c) * (e * hidden + hidden * c)
+        assert flops(**shape) - without == sum(3 * generation * s + generation for s in steps)
 
 
 def test_each_client_hypernetwork_starts_from_its_own_draw_unless_asked():

@@ -21,7 +21,9 @@ manner" and §3.2.1's "NN with HN" literally: at *every* local step the model is
 ``theta = h(v; phi_k)``, Eq. 3's loss (supervised and triplet terms, the anchor being the
 generated model) is back-propagated through h by the chain rule of Eq. 7,
 ``grad_phi f = (d theta / d phi)^T grad_theta f``, and phi_k takes an Adam step (its state kept
-from round to round). The trained private model is then ``omega_k^t = h(v; phi_k)`` with the
+from round to round): the engine's local loop (``train_clients``) runs it, with phi as the
+trained vector, the loss through h (:func:`generated_loss`) and the Adam rule
+(:func:`local_rule`). The trained private model is then ``omega_k^t = h(v; phi_k)`` with the
 trained phi_k: uploaded, kept as next round's negative and evaluated. ``[local]`` epochs and
 batch size set the steps; ``[local]`` lr, momentum and weight decay are not used in this mode
 (phi's optimizer is ``hn_optimizer`` / ``hn_lr``). Chosen on the validation split of
@@ -58,13 +60,11 @@ Choices the paper leaves open (documented on :class:`PFedKTParams` and here):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.func import grad_and_value, vmap
 
 from hyperfed.algorithms.base import (
     Algorithm,
@@ -77,17 +77,10 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
-from hyperfed.engine.local import (
-    BatchPlan,
-    FlopMeter,
-    FlopSum,
-    LossFn,
-    client_plan,
-    client_rng,
-    one_client_step,
-)
+from hyperfed.engine.local import FlopMeter, LossFn, train_clients
+from hyperfed.engine.optim import SGD, Adam, UpdateRule
 from hyperfed.hparams import Space
-from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, optimizer_step, update
+from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, update
 from hyperfed.models.layout import FunctionalModel
 
 DISTANCES = ("kl", "cosine", "l2", "mse")
@@ -252,126 +245,12 @@ def generated_loss(hn: ChunkedHypernet, loss_fn: LossFn) -> LossFn:
     return loss_of_phi
 
 
-def train_end_to_end(
-    group: ClientGroup,
-    hn: ChunkedHypernet,
-    opt: HNOptimizer,
-    phi: Tensor,
-    opt_state: dict[str, Tensor],
-    buffers: Tensor,
-    *,
-    loss_fn: LossFn,
-    ctx: dict[str, Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor]:
-    """Local training of ``phi[C, P]`` end to end: at every step of the group's batch plan
-    each client's model is ``h(v; phi_c)``, the loss's gradient is back-propagated through h
-    into phi_c, and ``opt`` (Adam by default) updates phi_c. Returns ``(phi, opt_state,
-    buffers, mean loss)``. Same batch plan, masking of finished clients and execution paths
-    (vmapped step / plain-autograd client loop, ``group.vectorize``) as ``group.train``."""
-    ctx = ctx or {}
-    plan = group.plan()
-    loss_phi = generated_loss(hn, loss_fn)
-
-    def step_loss(p: Tensor, bu: Tensor, x: Tensor, y: Tensor, cx: dict) -> tuple:
-        loss, new_bu = loss_phi(group.fm, p, bu, x, y, cx)
-        return loss, (loss.detach(), new_bu)
-
-    if FlopMeter.active:
-        _count_step_flops(step_loss, group, hn, phi, buffers, plan, ctx)
-    if group.vectorize:
-        step = vmap(grad_and_value(step_loss, has_aux=True), randomness="different")
-        return _opt_loop(step, opt, phi, opt_state, buffers, group, plan, ctx)
-    outs = []
-    for c in range(phi.shape[0]):
-        sub = client_plan(plan, c)
-        one = {k: v[c : c + 1] for k, v in opt_state.items()}
-        cx = {k: v[c : c + 1] for k, v in ctx.items()}
-        with client_rng(group.fm, sub):
-            outs.append(
-                _opt_loop(
-                    one_client_step(step_loss),
-                    opt,
-                    phi[c : c + 1],
-                    one,
-                    buffers[c : c + 1],
-                    group,
-                    sub,
-                    cx,
-                )  # fmt: skip
-            )
-    states = [o[1] for o in outs]
-    return (
-        torch.cat([o[0] for o in outs]),
-        {k: torch.cat([st[k] for st in states]) for k in opt_state},
-        torch.cat([o[2] for o in outs]),
-        torch.cat([o[3] for o in outs]),
-    )
-
-
-def _opt_loop(
-    step: Callable,
-    opt: HNOptimizer,
-    phi: Tensor,
-    opt_state: dict[str, Tensor],
-    buffers: Tensor,
-    group: ClientGroup,
-    plan: BatchPlan,
-    ctx: dict[str, Tensor],
-) -> tuple[Tensor, dict[str, Tensor], Tensor, Tensor]:
-    """The steps of ``plan`` with ``opt`` on ``phi``; a client past its last step keeps its
-    phi, optimizer state and BatchNorm statistics."""
-    loss_sum = torch.zeros(phi.shape[0], dtype=phi.dtype, device=phi.device)
-    for s in range(plan.steps):
-        x, y = group.data.batch(plan.idx[s])
-        grads, (_, (loss, new_buffers)) = step(phi, buffers, x, y, ctx)
-        new_phi, new_state = optimizer_step(opt, phi, grads, opt_state)
-        a = plan.active[s]
-
-        def keep(new: Tensor, old: Tensor, a: Tensor = a) -> Tensor:
-            return torch.where(a.view(-1, *[1] * (old.dim() - 1)), new, old)
-
-        phi = keep(new_phi, phi)
-        opt_state = {k: keep(new_state[k], v) for k, v in opt_state.items()}
-        if buffers.shape[1]:
-            buffers = keep(new_buffers, buffers)
-        loss_sum = loss_sum + loss.detach() * a
-    steps = plan.active.sum(0).clamp(min=1)
-    return phi.detach(), opt_state, buffers.detach(), loss_sum / steps
-
-
-_STEP_FLOPS: dict[tuple, int] = {}
-
-
-def _count_step_flops(
-    step_loss: Callable,
-    group: ClientGroup,
-    hn: ChunkedHypernet,
-    phi: Tensor,
-    buffers: Tensor,
-    plan: BatchPlan,
-    ctx: dict[str, Tensor],
-) -> None:
-    """FLOPs of one end-to-end step (generation, loss, back-propagation into phi), measured
-    once per shape with torch's flop counter and multiplied by the client-steps taken."""
-    if FlopMeter.exact:  # an outer counter sees every op already
-        return
-    key = (
-        group.fm.name,
-        group.fm.num_params,
-        hn.size,
-        tuple(group.data.input_shape),
-        plan.idx.shape[-1],
-        tuple(sorted(ctx)),
-    )
-    if key not in _STEP_FLOPS:
-        x, y = group.data.batch(plan.idx[0, 0])
-        leaf = phi[0].detach().requires_grad_(True)
-        with FlopSum() as counter, torch.enable_grad():
-            loss, _ = step_loss(leaf, buffers[0], x, y, {k: v[0] for k, v in ctx.items()})
-            torch.autograd.grad(loss, leaf)
-        _STEP_FLOPS[key] = int(counter.get_total_flops())
-    for meter in FlopMeter.active:
-        meter.total += _STEP_FLOPS[key] * sum(plan.counts)
+def local_rule(opt: HNOptimizer) -> UpdateRule:
+    """The engine's update rule for ``opt`` in end-to-end mode: Adam (``torch.optim.Adam``'s
+    step, its moments and step count per client) or SGD (``torch.optim.SGD``'s)."""
+    if opt.name == "adam":
+        return Adam(opt.lr, opt.betas, opt.eps, opt.weight_decay)
+    return SGD(opt.lr, opt.momentum, opt.weight_decay)
 
 
 class PFedKTServer(FedAvgServer):
@@ -392,6 +271,7 @@ class PFedKTClient(Client):
     def __init__(self, hp: PFedKTParams, ctx: ClientContext) -> None:
         super().__init__(hp, ctx)
         self.opt = hp.hn_opt()
+        self.rule = local_rule(self.opt)  # end_to_end: phi's step at every local step
         self.loss_fn = pfedkt_loss(hp)
 
     def hypernet(self, fm: FunctionalModel) -> ChunkedHypernet:
@@ -432,13 +312,17 @@ class PFedKTClient(Client):
         use_con = hp.use_contrastive and hp.mu > 0
         opt_state = {k: v for k, v in state.items() if k.startswith("hn_")}
         if hn is not None and hp.hn_training == "end_to_end":
-            # the model is h(phi) at every step; Eq. 3's loss trains phi through h (Eq. 7)
-            phi, opt_state, buffers, loss = train_end_to_end(
-                group, hn, self.opt, state["hn"], opt_state, state["buffers"],
-                loss_fn=self.loss_fn, ctx=ctx if use_con else None,
+            # the model is h(phi) at every step: the engine trains phi on Eq. 3's loss through
+            # h (Eq. 7) with the rule's per-client state (Adam's moments, kept across rounds)
+            rule_state = {k.removeprefix("hn_"): v for k, v in opt_state.items()}
+            phi, buffers, loss = train_clients(
+                group.fm, state["hn"], state["buffers"], group.data, group.plan(), group.sgd,
+                loss_fn=generated_loss(hn, self.loss_fn), ctx=ctx if use_con else None,
+                vectorize=group.vectorize, rule=self.rule, rule_state=rule_state,
             )  # fmt: skip
             with FlopMeter.counting():
                 theta = hn.generate(phi).detach()  # omega_k^t: uploaded, kept, evaluated
+            opt_state = {f"hn_{k}": v for k, v in rule_state.items()}
             new_state = {**state, "theta_prev": theta, "buffers": buffers, "hn": phi}
             return {"theta": theta}, {**new_state, **opt_state}, loss
         with FlopMeter.counting():  # the local hypernetwork's FLOPs are the client's too

@@ -1,9 +1,13 @@
 """Local training of many clients at once (DESIGN contract 3).
 
 Clients of one architecture are trained as one tensor ``theta[C, K]``: each step gathers a
-batch per client, computes per-client gradients with ``vmap(grad(loss))`` and applies SGD
-with momentum and weight decay exactly as ``torch.optim.SGD`` does
-(``d = g + wd*p; buf = m*buf + d; p -= lr*buf``).
+batch per client, computes per-client gradients with ``vmap(grad(loss))`` and applies an
+update rule with per-client state (:mod:`hyperfed.engine.optim`): by default SGD with
+momentum and weight decay exactly as ``torch.optim.SGD`` does (``d = g + wd*p;
+buf = m*buf + d; p -= lr*buf``); Adam is another rule. Every method's local loop is this
+one: a method that needs another optimizer passes a rule, and a method that trains a
+hypernetwork through the model it generates passes that loss with the hypernetwork's
+parameters as ``theta`` (pFedKT's end-to-end mode).
 
 Batch schedule (shared by every execution path, so they agree to float tolerance): client
 ``c`` with ``n_c`` training samples sees a stream of independent shuffles of its data, cut
@@ -53,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from hyperfed.data.federated import FederatedData
+from hyperfed.engine.optim import SGD, State, UpdateRule
 from hyperfed.models.layout import FunctionalModel, Params
 
 log = logging.getLogger("hyperfed")
@@ -72,6 +77,10 @@ class SGDConfig:
     cuda_graphs: str = "off"  # on / auto (groups <= GRAPH_AUTO_MAX_CLIENTS) / off; GPU only
     compile: str = "off"  # on / auto (COMPILE_AUTO models, CPU) / off: torch.compile'd step
 
+    def rule(self) -> SGD:
+        """The update rule these settings give (:func:`train_clients`' default)."""
+        return SGD(self.lr, self.momentum, self.weight_decay)
+
 
 @dataclass
 class BatchPlan:
@@ -90,7 +99,7 @@ class FlopMeter:
     ``with FlopMeter() as meter:`` -- whatever the loss trains (a second model, an extractor,
     a teacher's forward pass). One step of one client is measured once per (model, loss,
     shapes) with torch's flop counter (forward + backward, batch of ``B``) and multiplied by
-    the number of client-steps taken. The SGD update itself is not counted."""
+    the number of client-steps taken. The optimizer update itself is not counted."""
 
     active: list[FlopMeter] = []
     exact = False  # inside counting(): every op is counted as it runs, steps are not estimated
@@ -168,7 +177,10 @@ def count_flops(
     step_ctx: dict[str, Tensor],
     frozen: list[tuple[bool, ...] | None] | None = None,
 ) -> None:
-    """``frozen[c]``: the parameters client ``c``'s steps keep outside the backward pass
+    """Add the training FLOPs of ``plan``'s client-steps to the active meters: one step of
+    ``loss_fn`` w.r.t. ``theta`` (whatever ``theta`` is: a model's parameters, or the
+    hypernetwork that generates them) measured once per key, the one cache of every loop.
+    ``frozen[c]``: the parameters client ``c``'s steps keep outside the backward pass
     (:func:`frozen_parameters`; None: a full backward), so its steps are counted as run."""
     if FlopMeter.exact:  # the surrounding counter sees every op of this training already
         return
@@ -176,6 +188,7 @@ def count_flops(
     key = (
         fm.name,
         fm.num_params,
+        theta.shape[-1],  # what is trained (a hypernetwork's size when theta is its phi)
         getattr(fn, "__qualname__", repr(fn)),
         tuple(data.input_shape),
         plan.idx.shape[-1],
@@ -363,9 +376,20 @@ def train_clients(
     trainable: Tensor | None = None,
     vectorize: bool = True,
     step_ctx: dict[str, Tensor] | None = None,
+    rule: UpdateRule | None = None,
+    rule_state: State | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Run a group's local SGD; returns ``(theta, buffers, mean_loss)`` with a client axis.
+    """Run a group's local training; returns ``(theta, buffers, mean_loss)`` with a client axis.
 
+    ``rule`` turns each step's gradients into the new ``theta`` (:mod:`hyperfed.engine.optim`;
+    default ``sgd.rule()``, SGD with ``sgd``'s lr, momentum and weight decay; ``sgd`` also
+    gives the execution options). ``theta`` is whatever ``loss_fn`` differentiates: a model's
+    parameters, or a hypernetwork's that the loss generates them from (pFedKT). ``rule_state``:
+    the rule's per-client state carried in (``rule.init_state``'s keys, a client axis each);
+    its entries are replaced by the state after training (the dict is updated, the tensors in
+    it are not written to), so a method keeps it from round to round. None: a fresh state,
+    dropped after (SGD's momentum starts at zero every call, as a ``torch.optim.SGD`` built
+    per round does).
     ``step_ctx`` holds per-step extras, each ``[S, C, ...]`` with ``S >= plan.steps``: at step
     ``s`` the loss sees ``v[s]`` in its ``ctx`` (e.g. MH-pFedHNDD's synthetic-batch indices).
     ``trainable`` (``[K]`` or ``[C, K]`` bool) freezes the other entries (resource-constrained
@@ -376,6 +400,7 @@ def train_clients(
     """
     ctx = ctx or {}
     step_ctx = step_ctx or {}
+    rule = sgd.rule() if rule is None else rule
     run_loss = loss_fn
     plain = loss_fn is cross_entropy_loss and not ctx and not step_ctx
     if plain and not vectorize and use_compile(sgd, fm, theta):  # local.compile
@@ -401,11 +426,15 @@ def train_clients(
             step = stopped_step(step_loss, fm, frozen[0], theta.device)
         else:
             step = vmap(grad_and_value(step_loss, has_aux=True), randomness="different")
-        return _sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx)
+        out = _local_loop(
+            step, theta, buffers, data, plan, sgd, rule, rule_state, ctx, mask, step_ctx
+        )
+        return _handed_back(out, rule_state)
     # a loss marked per_parameter trains on per-parameter leaves (one fused SGD kernel a
     # step, no flat gradient to gather; frozen parameters are constants there); other losses
     # may read theta itself
-    leaves = [per_param and not step_ctx and (mask is None or f is not None) for f in frozen]
+    leaf_rule = isinstance(rule, SGD) and per_param and not step_ctx
+    leaves = [leaf_rule and (mask is None or f is not None) for f in frozen]
     frozen = [f if leaf else None for f, leaf in zip(frozen, leaves)]
     if FlopMeter.active:
         count_flops(loss_fn, fm, theta, buffers, data, plan, ctx, step_ctx, frozen)
@@ -415,29 +444,42 @@ def train_clients(
         m = mask if mask is None or mask.dim() == 1 else mask[c : c + 1]
         cx = {k: v[c : c + 1] for k, v in ctx.items()}
         sx = {k: v[: sub.steps, c : c + 1] for k, v in step_ctx.items()}
+        st = None if rule_state is None else {k: v[c : c + 1] for k, v in rule_state.items()}
         with client_rng(fm, sub):
             if leaves[c]:
+                assert isinstance(rule, SGD)
                 one = {k: v[0] for k, v in cx.items()}
-                outs.append(
-                    _leaf_sgd_loop(
-                        fm, theta[c], buffers[c], data, sub, sgd, loss_fn, one, frozen[c]
-                    )
-                )
+                args = (fm, theta[c], buffers[c], data, sub, rule, loss_fn, one, frozen[c], st)
+                outs.append(_leaf_sgd_loop(*args))
                 continue
             outs.append(
-                _sgd_loop(
+                _local_loop(
                     one_client_step(step_loss),
                     theta[c : c + 1],
                     buffers[c : c + 1],
                     data,
                     sub,
                     sgd,
+                    rule,
+                    st,
                     cx,
                     m,
                     sx,
                 )
             )
-    return tuple(torch.cat(parts) for parts in zip(*outs))  # type: ignore[return-value]
+    thetas, bufs, losses, states = zip(*outs)
+    state = {k: torch.cat([s[k] for s in states]) for k in states[0]}
+    out = (torch.cat(thetas), torch.cat(bufs), torch.cat(losses), state)
+    return _handed_back(out, rule_state)
+
+
+def _handed_back(
+    out: tuple[Tensor, Tensor, Tensor, State], rule_state: State | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(theta, buffers, loss)``, the state after training written into ``rule_state``."""
+    if rule_state is not None:
+        rule_state.update(out[3])
+    return out[0], out[1], out[2]
 
 
 # local.compile = "auto": zoo models whose torch.compile'd step (inductor, CPU) measured
@@ -525,26 +567,29 @@ def _leaf_sgd_loop(
     buffers: Tensor,
     data: FederatedData,
     plan: BatchPlan,
-    sgd: SGDConfig,
+    rule: SGD,
     loss_fn: Callable[..., tuple],  # given a tuple of leaves as theta
     ctx: dict[str, Tensor],
     frozen: tuple[bool, ...] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    state: State | None = None,
+) -> tuple[Tensor, Tensor, Tensor, State]:
     """One client's local SGD (a one-client ``plan``, its ``ctx`` without a client axis) on
     a loss marked :func:`per_parameter`, each parameter its own autograd leaf: a view into a
     copy of the client's flat vector, updated in place by torch's fused SGD kernel
-    (``torch.optim.SGD(fused=True)``'s: the same step as :func:`_sgd_update_`, in one pass).
+    (``torch.optim.SGD(fused=True)``'s: the same step as :meth:`SGD.step_`, in one pass).
     The flat gradient is never gathered: on a 2-core CPU, a LeNet step on 10 images took
     2.70-2.76 ms against 2.90-2.96 ms through one flat leaf (issue 27). ``frozen`` parameters
-    are constants: no gradient, no update, no backward pass through them."""
+    are constants: no gradient, no update, no backward pass through them. ``state``: the
+    rule's (``m[1, K]``), None for a fresh one."""
     flat = theta.detach().clone()
     views = list(fm.layout.unflatten(flat).values())  # updated in place: flat is the result
     frozen = frozen or (False,) * len(views)
     params = _with_constants(fm, flat, frozen)  # the leaves share flat's memory
     train = [i for i, f in enumerate(frozen) if not f]
     leaves = [params[i] for i in train]
-    momentum = flat.new_zeros(flat.shape)  # torch.optim.SGD's first step: buf = d = 0 * m + d
-    bufs = list(fm.layout.unflatten(momentum).values()) if sgd.momentum else []
+    # torch.optim.SGD's first step from a zero buffer: buf = d = 0 * m + d
+    momentum = flat.new_zeros(flat.shape) if state is None else state["m"][0].clone()
+    bufs = list(fm.layout.unflatten(momentum).values()) if rule.momentum else []
     bufs = [bufs[i] for i in train] if bufs else []
     views = [views[i] for i in train]
     losses = []
@@ -557,9 +602,9 @@ def _leaf_sgd_loop(
                 views,  # channels-last weight gradient is made contiguous like its parameter
                 [g if g.dim() < 4 else g.contiguous() for g in grads],
                 bufs,
-                weight_decay=sgd.weight_decay,
-                momentum=sgd.momentum,
-                lr=sgd.lr,
+                weight_decay=rule.weight_decay,
+                momentum=rule.momentum,
+                lr=rule.lr,
                 dampening=0.0,
                 nesterov=False,
                 maximize=False,
@@ -568,54 +613,42 @@ def _leaf_sgd_loop(
             buffers = new_buffers.detach()
             losses.append(loss.detach())
     loss_sum = torch.stack(losses).sum()
-    return flat[None], buffers[None], (loss_sum / plan.steps)[None]
+    return flat[None], buffers[None], (loss_sum / plan.steps)[None], {"m": momentum[None]}
 
 
-def _sgd_update(
-    sgd: SGDConfig, theta: Tensor, momentum_buf: Tensor, grads: Tensor, mask: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """torch.optim.SGD's step, in its own operations: ``d = g + wd*p; buf = m*buf + d;
-    p -= lr*buf``. Returns new tensors (what a captured CUDA graph or ``torch.where`` needs)."""
-    d = grads.add(theta, alpha=sgd.weight_decay) if sgd.weight_decay else grads
-    if mask is not None:
-        d = d * mask
-    new_buf = momentum_buf.mul(sgd.momentum).add_(d) if sgd.momentum else d
-    return theta.add(new_buf, alpha=-sgd.lr), new_buf
+def _keep(active: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    """``new`` for the clients still training (``active[C]``), ``old`` for the others."""
+    return torch.where(active.view(-1, *[1] * (old.dim() - 1)), new, old)
 
 
-def _sgd_update_(
-    sgd: SGDConfig, theta: Tensor, momentum_buf: Tensor, grads: Tensor, mask: Tensor | None
-) -> None:
-    """The same step in place (``theta``, ``momentum_buf``; ``grads`` is consumed): no new
-    ``[C, K]`` tensors per step, which on a CPU cost more than the arithmetic (K = 2 M, 2-core
-    CPU: 7.9 ms as four out-of-place ops, 2.0 ms in place; `benchmarks/sgd_update.py`)."""
-    d = grads.add_(theta, alpha=sgd.weight_decay) if sgd.weight_decay else grads
-    if mask is not None:
-        d.mul_(mask)
-    if sgd.momentum:
-        d = momentum_buf.mul_(sgd.momentum).add_(d)
-    theta.add_(d, alpha=-sgd.lr)
-
-
-def _sgd_loop(
+def _local_loop(
     step: Callable,
     theta: Tensor,
     buffers: Tensor,
     data: FederatedData,
     plan: BatchPlan,
     sgd: SGDConfig,
+    rule: UpdateRule,
+    state: State | None,
     ctx: dict[str, Tensor],
     mask: Tensor | None,
     step_ctx: dict[str, Tensor] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, State]:
+    """The steps of ``plan``: ``step`` gives each client's gradient, ``rule`` updates theta
+    and its ``state`` (None: a fresh one); a client past its last step keeps its theta,
+    state and BatchNorm statistics. Returns ``(theta, buffers, mean loss, state)``."""
     graphs = sgd.cuda_graphs == "on" or (
         sgd.cuda_graphs == "auto" and theta.shape[0] <= GRAPH_AUTO_MAX_CLIENTS
     )
     if graphs and theta.is_cuda and plan.steps > GRAPH_WARMUP_STEPS:
-        return _graphed_sgd_loop(step, theta, buffers, data, plan, sgd, ctx, mask, step_ctx or {})
-    momentum_buf = torch.zeros_like(theta)
+        args = (step, theta, buffers, data, plan, rule, state, ctx, mask, step_ctx or {})
+        return _graphed_loop(*args)
     loss_sum = torch.zeros(theta.shape[0], device=theta.device)
     all_active = min(plan.counts) == plan.steps
+    if state is None:
+        state = rule.init_state(theta)
+    elif all_active:
+        state = {k: v.clone() for k, v in state.items()}  # updated in place from here on
     if all_active:
         theta = theta.clone()  # updated in place from here on
     for s in range(plan.steps):
@@ -623,19 +656,19 @@ def _sgd_loop(
         cx = {**ctx, **{k: v[s] for k, v in step_ctx.items()}} if step_ctx else ctx
         grads, (_, (loss, new_buffers)) = step(theta, buffers, x, y, cx)
         if all_active:
-            _sgd_update_(sgd, theta, momentum_buf, grads, mask)
+            rule.step_(theta, grads, state, mask)
             buffers = new_buffers
             loss_sum = loss_sum + loss
         else:
-            new_theta, new_buf = _sgd_update(sgd, theta, momentum_buf, grads, mask)
-            a = plan.active[s].unsqueeze(1)
-            theta = torch.where(a, new_theta, theta)
-            momentum_buf = torch.where(a, new_buf, momentum_buf)
+            new_theta, new_state = rule.step(theta, grads, state, mask)
+            a = plan.active[s]
+            theta = _keep(a, new_theta, theta)
+            state = {k: _keep(a, new_state[k], v) for k, v in state.items()}
             if buffers.shape[1]:
-                buffers = torch.where(a, new_buffers, buffers)
-            loss_sum = loss_sum + loss * plan.active[s]
+                buffers = _keep(a, new_buffers, buffers)
+            loss_sum = loss_sum + loss * a
     steps = plan.active.sum(0).clamp(min=1)
-    return theta.detach(), buffers.detach(), loss_sum / steps
+    return theta.detach(), buffers.detach(), loss_sum / steps, state
 
 
 GRAPH_AUTO_MAX_CLIENTS = 32  # "auto": larger groups are GPU-bound (see config.py)
@@ -643,17 +676,18 @@ GRAPH_WARMUP_STEPS = 2  # eager steps on a side stream before capture (lazy cuDN
 GRAPH_STATS = {"captured": 0, "failed": 0}  # read by `hyperfed bench`
 
 
-def _graphed_sgd_loop(
+def _graphed_loop(
     step: Callable,
     theta: Tensor,
     buffers: Tensor,
     data: FederatedData,
     plan: BatchPlan,
-    sgd: SGDConfig,
+    rule: UpdateRule,
+    state: State | None,
     ctx: dict[str, Tensor],
     mask: Tensor | None,
     step_ctx: dict[str, Tensor],
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, State]:
     """The same steps, each replayed as one captured CUDA graph.
 
     A vmapped step launches hundreds of small kernels; on a GPU their launch cost (~4 ms per
@@ -662,7 +696,8 @@ def _graphed_sgd_loop(
     replay), run eagerly for the warm-up steps, captured, and replayed for the rest. A loss
     that cannot be captured (a host sync inside it) falls back to eager steps, with a warning.
     """
-    th, mom, bu = theta.clone(), torch.zeros_like(theta), buffers.clone()
+    th, bu = theta.clone(), buffers.clone()
+    st = rule.init_state(theta) if state is None else {k: v.clone() for k, v in state.items()}
     loss_sum = torch.zeros(theta.shape[0], device=theta.device)
     idx, active = plan.idx[0].clone(), plan.active[0].clone()
     sctx = {k: v[0].clone() for k, v in step_ctx.items()}
@@ -670,12 +705,12 @@ def _graphed_sgd_loop(
     def body() -> None:
         x, y = data.batch(idx)
         grads, (_, (loss, new_buffers)) = step(th, bu, x, y, {**ctx, **sctx})
-        new_theta, new_buf = _sgd_update(sgd, th, mom, grads, mask)
-        a = active.unsqueeze(1)
-        th.copy_(torch.where(a, new_theta, th))
-        mom.copy_(torch.where(a, new_buf, mom))
+        new_theta, new_state = rule.step(th, grads, st, mask)
+        th.copy_(_keep(active, new_theta, th))
+        for k, v in st.items():
+            v.copy_(_keep(active, new_state[k], v))
         if bu.shape[1]:
-            bu.copy_(torch.where(a, new_buffers, bu))
+            bu.copy_(_keep(active, new_buffers, bu))
         loss_sum.add_(loss.detach() * active)
 
     def load(s: int) -> None:
@@ -710,7 +745,7 @@ def _graphed_sgd_loop(
         else:
             body()
     steps = plan.active.sum(0).clamp(min=1)
-    return th.detach(), bu.detach(), loss_sum / steps
+    return th.detach(), bu.detach(), loss_sum / steps, st
 
 
 def train_reference(
