@@ -773,6 +773,12 @@ def test_fedavg_dd_evaluates_the_global_model_and_one_shot_the_model_trained_on_
     ev, _ = client.eval_model(group, {k: v[None] for k, v in msgs[0].items()}, state)
     assert torch.equal(ev[0], msgs[0]["theta"])
     assert one.configure_train(1, [0]) == {0: {}}  # clients train nothing in one-shot rounds
+    # and every record says so: the plug-in scores FedAvg's global model (issue 36 protocol)
+    from hyperfed.algorithms import get_algorithm
+
+    fedavg_dd = get_algorithm("fedavg_dd")
+    assert fedavg_dd.scored_model(FedAvgDDParams()) == "global"
+    assert fedavg_dd.scored_model(FedAvgDDParams(one_shot=True)) == "global"
 
 
 def test_paper_weights_and_defaults():

@@ -239,9 +239,14 @@ class OneShotFedAvgClient(FedAvgClient):
 _LOCAL = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 1e-4, "epochs": 1}  # §4, §B.2
 
 
-def _method(name: str, hparams: type, server: type, client: type) -> Algorithm:
-    """The method a plug-in composes (not registered itself)."""
-    return Algorithm(name=name, summary=name, hparams=hparams, server=server, client=client)
+def _method(
+    name: str, hparams: type, server: type, client: type, scores: str = "personalized"
+) -> Algorithm:
+    """The method a plug-in composes (not registered itself); ``scores``: the model its
+    evaluation scores (algorithms.base.SCORED_MODELS)."""
+    return Algorithm(
+        name=name, summary=name, hparams=hparams, server=server, client=client, scores=scores
+    )
 
 
 ALGORITHMS = [
@@ -260,7 +265,8 @@ ALGORITHMS = [
         local_defaults=_LOCAL,
     ),
     plug_in(
-        _method("fedavg", OneShotFedAvgParams, OneShotFedAvgServer, OneShotFedAvgClient),
+        # FedAvg's global model is what every client is evaluated with (one-shot too)
+        _method("fedavg", OneShotFedAvgParams, OneShotFedAvgServer, OneShotFedAvgClient, "global"),
         name="fedavg_dd",
         summary="FedAvg + MH-pFedHNDD's distilled set; one_shot: Table 9 (seed 003)",
         hparams_name="FedAvgDDParams",
