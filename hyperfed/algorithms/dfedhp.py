@@ -54,6 +54,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.dfedalt import DFedAltClient
 from hyperfed.engine.topology import GossipParams
+from hyperfed.hparams import Space
 from hyperfed.hypernet.filter import FilterHypernet
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.split import BodyHead, body_head
@@ -254,4 +255,7 @@ ALGORITHM = Algorithm(
     client=DFedHPClient,
     homogeneous_only=True,
     kind="decentralized",
+    # seed 004 §5.1 tunes the learning rates without giving them: the hypernetwork's (phi)
+    # and the embedding's (z) beside the local lr (which trains the head v)
+    tune={"lr_phi": Space(1e-3, 0.1, log=True), "lr_z": Space(1e-3, 0.1, log=True)},
 )

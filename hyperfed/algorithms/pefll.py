@@ -84,6 +84,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.engine.local import client_seed, plan_batches
 from hyperfed.engine.optim import adam
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Space
 from hyperfed.hypernet.multihead import MultiHeadHypernet, concat_chunks
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ZooNet, build_model
@@ -452,4 +453,5 @@ ALGORITHM = Algorithm(
     homogeneous_only=True,
     reference=f"{AUTHORS}: h's depth (--hyper-nhid) and the evaluation descriptor (current phi "
     "over the train split); the exchange folded into one per round (module docstring)",
+    tune={"hn_lr": Space(1e-5, 1e-2, log=True)},  # Adam lr of h and phi
 )

@@ -118,6 +118,7 @@ from hyperfed.algorithms.base import (
     chosen,
 )
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Space
 from hyperfed.models.layout import FunctionalModel, fresh_init
 from hyperfed.models.select import module_layers
 
@@ -293,4 +294,6 @@ ALGORITHM = Algorithm(
     client=UpdateClient,
     homogeneous_only=True,
     reference=f"{REFERENCE}; hn_lr, the HN step's sign and init chosen on validation splits",
+    # the HN step size; its useful scale depends on the client count (module docstring)
+    tune={"hn_lr": Space(5e-1, 5e7, log=True)},
 )

@@ -47,6 +47,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.pfedla import UpdateClient
 from hyperfed.engine.optim import adam
+from hyperfed.hparams import Space
 from hyperfed.hypernet.multihead import MultiHeadHypernet
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.select import module_layers
@@ -161,4 +162,5 @@ ALGORITHM = Algorithm(
     client=PFedLHNClient,
     # seed 003 (Training Strategies; App. D): pFedLHN ran 1 local epoch, lr 1e-3, wd 1e-4
     local_defaults={"lr": 1e-3, "momentum": 0.9, "weight_decay": 1e-4, "epochs": 1},
+    tune={"hn_lr": Space(1e-5, 1e-2, log=True)},  # the hypernetwork lr, as pFedHN's
 )
