@@ -17,6 +17,7 @@ merge it or pass its lines with ``--set``), ``trials.json`` and Optuna's own plo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -214,6 +215,8 @@ def tune(
 ) -> dict[str, Any]:
     """Run (or resume) the study in ``folder`` until it holds ``request.trials`` finished
     trials; write ``best.toml``, ``trials.json`` and the plots. Returns the best values."""
+    if importlib.util.find_spec("optuna") is None:  # an extra: `make run` does not install it
+        raise TuneError("tuning needs Optuna, which is not installed; pip install 'hyperfed[tune]'")
     if request.trials < 1:
         raise TuneError(f"--trials {request.trials}: need at least 1")
     if parallel < 1:

@@ -4,6 +4,7 @@ repeating a finished trial."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,15 @@ def test_bad_requests_fail_before_any_work(tmp_path: Path) -> None:
     (tune_dir / "tune.json").write_text('{"config": "x.toml", "sets": [], "space": []}')
     with pytest.raises(TuneError, match="holds a study of another config"):
         tune(tune_dir, TuneRequest(None, TINY, trials=1))
+
+
+def test_without_optuna_tuning_fails_in_one_line_naming_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "optuna", None)  # as if the tune extra were not installed
+    with pytest.raises(TuneError, match=r"pip install 'hyperfed\[tune\]'"):
+        tune(tmp_path / "s", TuneRequest(None, TINY, trials=1))
+    assert not (tmp_path / "s").exists()
 
 
 def test_reproduce_tuned_gives_every_method_the_same_trials_and_runs_its_best(
