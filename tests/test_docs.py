@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import hyperfed.algorithms as algorithms_pkg
-from hyperfed.algorithms import _in_module
+from hyperfed.algorithms.base import Algorithm
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -56,7 +56,8 @@ def _builtin_algorithms() -> set[str]:
     names = set()
     for info in pkgutil.iter_modules(algorithms_pkg.__path__):
         module = importlib.import_module(f"{algorithms_pkg.__name__}.{info.name}")
-        names.update(alg.name for alg in _in_module(module))
+        entries = [getattr(module, "ALGORITHM", None), *getattr(module, "ALGORITHMS", [])]
+        names.update(alg.name for alg in entries if isinstance(alg, Algorithm))
     return names
 
 
@@ -82,6 +83,15 @@ def test_readme_methods_table_is_the_methods_page_s() -> None:
     readme = _first_table(_section(README.read_text(), "## Methods"))
     page = _first_table((ROOT / "docs" / "methods.md").read_text())
     assert readme == page, "README.md's and docs/methods.md's methods tables differ"
+
+
+def test_readme_lists_the_site_s_pages() -> None:
+    readme = _first_table(_section(README.read_text(), "## Documentation"))
+    home = _first_table(_section((ROOT / "docs" / "index.md").read_text(), "## The pages"))
+    home = [row for row in home if "](api/" not in row]  # the API reference: on the site only
+    assert [row.replace("](docs/", "](") for row in readme] == home, (
+        "README.md's Documentation table and docs/index.md's page list differ"
+    )
 
 
 def test_the_methods_table_names_every_builtin_algorithm() -> None:
