@@ -42,6 +42,13 @@ RoundTimeoutOpt = Annotated[
     float, typer.Option(help="Seconds the server waits for the replies of one round.")
 ]
 QuietOpt = Annotated[bool, typer.Option(help="No tables.")]
+SecureOpt = Annotated[
+    bool,
+    typer.Option(
+        help="TLS with a throwaway CA and SuperNode authentication: one key pair per node, "
+        "registered with the SuperLink (other keys are refused)."
+    ),
+]
 
 
 def _need_flower() -> None:
@@ -83,16 +90,18 @@ def local(
         int | None, typer.Option(help="torch threads per client process (default cores/nodes).")
     ] = None,
     quiet: QuietOpt = False,
+    secure: SecureOpt = False,
 ) -> None:
     """Loopback deployment on this machine: one flower-superlink and N flower-supernode
-    processes on 127.0.0.1, `flwr run` of the app, then every process is stopped."""
+    processes on 127.0.0.1, `flwr run` of the app, then every process is stopped. --secure:
+    over TLS, and only the N SuperNodes' registered keys may connect."""
     _need_flower()
     cfg = _load(config, set_)
     n = cfg.clients.count if nodes is None else nodes
     if not 1 <= n <= cfg.clients.count:
         fail(f"--nodes {n}: must be between 1 and clients.count={cfg.clients.count}")
     per_node = max(1, (os.cpu_count() or 1) // n)
-    _launch(cfg, out, n, threads or per_node, timeout, round_timeout, quiet, resume, None)
+    _launch(cfg, out, n, threads or per_node, timeout, round_timeout, quiet, resume, None, secure)
 
 
 @flower_cli.command()
@@ -139,6 +148,7 @@ def _launch(  # type: ignore[no-untyped-def]
     quiet: bool,
     resume: bool,
     simulated,
+    secure: bool = False,
 ) -> None:
     from hyperfed.deploy.launch import DeployError, LocalDeployment
 
@@ -148,6 +158,11 @@ def _launch(  # type: ignore[no-untyped-def]
     if resume and not (Path(run_dir) / "server_checkpoint.pt").exists():
         fail(f"--resume: {run_dir} holds no server checkpoint; set checkpoint_every and --out")
     workdir = Path(run_dir) / "flower"
+    material = None
+    if secure:  # throwaway: a fresh CA and node keys for this run, deleted after it
+        from hyperfed.deploy.secure import make_material
+
+        material = make_material(workdir / "secure", n, days=1)
     deployment = LocalDeployment(
         cfg,
         workdir,
@@ -158,6 +173,7 @@ def _launch(  # type: ignore[no-untyped-def]
         round_timeout=round_timeout,
         simulated=simulated,
         resume=resume,
+        secure=material,
     )
     t0 = time.perf_counter()
     # SIGTERM stops the SuperLink and SuperNodes as Ctrl-C does (the context manager's exit)
@@ -166,6 +182,8 @@ def _launch(  # type: ignore[no-untyped-def]
         with deployment:
             if not quiet:
                 how = "SuperNodes" if simulated is None else "simulated SuperNodes (Ray)"
+                if secure:
+                    how += " (TLS, SuperNode authentication)"
                 console.print(
                     f"[bold]{cfg.algorithm.name}[/] on Flower: SuperLink 127.0.0.1:"
                     f"{deployment.port}, {n} {how}, {cfg.rounds} rounds; logs in "
@@ -180,6 +198,7 @@ def _launch(  # type: ignore[no-untyped-def]
     finally:
         signal.signal(signal.SIGTERM, previous)
     shutil.rmtree(workdir / "homes", ignore_errors=True)  # installed app copies
+    shutil.rmtree(workdir / "secure", ignore_errors=True)  # the throwaway keys
     if not quiet:
         print_final(Path(run_dir), time.perf_counter() - t0)
 
@@ -202,12 +221,35 @@ def app_(
     superlink: Annotated[
         str, typer.Option(help="SuperLink address for the printed commands.")
     ] = "SUPERLINK_HOST:8000",
+    secure: Annotated[
+        bool,
+        typer.Option(
+            help="Also write a CA, a server certificate for the --superlink host and one "
+            "key pair per node (TLS + SuperNode authentication) into --secure-dir."
+        ),
+    ] = False,
+    secure_dir: Annotated[
+        Path | None,
+        typer.Option(help="Folder for --secure's files (default: <out>-secure, never in the app)."),
+    ] = None,
 ) -> None:
     """Write the Flower app folder for a real multi-machine deployment and print the
     flower-superlink / flower-supernode / flwr run commands."""
     from hyperfed.deploy.launch import remote_commands, write_app
 
     cfg = _load(config, set_)
+    material = None
+    if secure:
+        from hyperfed.deploy.secure import make_material
+
+        host = superlink.rsplit(":", 1)[0].strip("[]")
+        if not host or host == "SUPERLINK_HOST":
+            fail("--secure: name the SuperLink's host, e.g. --superlink server.example.org:8000")
+        folder = secure_dir or out.with_name(out.name + "-secure")
+        if folder.resolve().is_relative_to(out.resolve()):
+            # flwr run ships the app folder to the SuperLink and every node
+            fail(f"--secure-dir {folder}: must not lie inside the app folder {out}")
+        material = make_material(folder, cfg.clients.count, hosts=[host])
     path = write_app(
         out,
         cfg,
@@ -216,9 +258,16 @@ def app_(
         join_timeout=join_timeout,
         round_timeout=round_timeout,
     )
-    console.print(f"wrote {path / 'pyproject.toml'}\n", highlight=False)
+    console.print(f"wrote {path / 'pyproject.toml'}", highlight=False)
+    if material is not None:
+        console.print(
+            f"wrote {material.folder}: ca.crt, server.pem, server.key (server machine only), "
+            f"nodes/node-<i> (client machine i only) and nodes/node-<i>.pub",
+            highlight=False,
+        )
+    console.print()
     console.print(
-        remote_commands(path, cfg.clients.count, superlink),
+        remote_commands(path, cfg.clients.count, superlink, material),
         highlight=False,
         markup=False,
         soft_wrap=True,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hyperfed.algorithms.base import Algorithm
     from hyperfed.config import ExperimentConfig
+    from hyperfed.deploy.secure import SecureMaterial
 
 SERVERAPP = "hyperfed.deploy.flower:server_app"
 CLIENTAPP = "hyperfed.deploy.flower:client_app"
@@ -188,12 +189,30 @@ def _bin(name: str) -> str:
     return found
 
 
-def superlink_command(port: int, host: str = "127.0.0.1", simulation: bool = False) -> list[str]:
+def superlink_command(
+    port: int,
+    host: str = "127.0.0.1",
+    simulation: bool = False,
+    secure: SecureMaterial | None = None,
+) -> list[str]:
     """A SuperLink; ``simulation``: it runs the ClientApps itself on Flower's Simulation
-    Engine (Ray) instead of waiting for SuperNodes."""
+    Engine (Ray) instead of waiting for SuperNodes; ``secure``: TLS with that material's
+    server certificate, and SuperNode authentication (only registered keys may connect)."""
+    if secure is None:
+        security = ["--insecure"]
+    else:
+        security = [
+            "--ssl-ca-certfile",
+            str(secure.ca_cert),
+            "--ssl-certfile",
+            str(secure.server_cert),
+            "--ssl-keyfile",
+            str(secure.server_key),
+            "--enable-supernode-auth",
+        ]
     return [
         _bin("flower-superlink"),
-        "--insecure",
+        *security,
         "--host",
         host,
         "--port",
@@ -204,11 +223,29 @@ def superlink_command(port: int, host: str = "127.0.0.1", simulation: bool = Fal
 
 
 def supernode_command(
-    superlink: str, partition_id: int, num_partitions: int, port: int
+    superlink: str,
+    partition_id: int,
+    num_partitions: int,
+    port: int,
+    *,
+    insecure: bool = True,
+    root_certificates: Path | None = None,
+    private_key: Path | None = None,
 ) -> list[str]:
+    """A SuperNode serving client ``partition_id``. ``insecure=False``: TLS, trusting
+    ``root_certificates`` (None: the system's CAs), signing its requests with
+    ``private_key`` (SuperNode authentication) when one is given."""
+    if insecure:
+        security = ["--insecure"]
+    else:
+        security = (
+            [] if root_certificates is None else ["--root-certificates", str(root_certificates)]
+        )
+        if private_key is not None:
+            security += ["--auth-supernode-private-key", str(private_key)]
     return [
         _bin("flower-supernode"),
-        "--insecure",
+        *security,
         "--superlink",
         superlink,
         "--port",
@@ -314,8 +351,11 @@ class LocalDeployment:
     partition_ids: Sequence[int] | None = None
     simulated: Simulated | None = None
     resume: bool = False
+    # TLS + SuperNode authentication (hyperfed.deploy.secure): node i signs with node_keys[i]
+    secure: SecureMaterial | None = None
     processes: list[Process] = field(default_factory=list)
     supernodes: list[Process] = field(default_factory=list)
+    node_ids: list[int] = field(default_factory=list)  # secure: the registered nodes' ids
     port: int = 0
 
     def __post_init__(self) -> None:
@@ -358,7 +398,15 @@ class LocalDeployment:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         simulation = self.simulated is not None
-        link = self._spawn("superlink", superlink_command(self.port, simulation=simulation))
+        if simulation and self.secure is not None:
+            raise DeployError("secure: a simulation SuperLink has no SuperNodes to authenticate")
+        ids = list(self.partition_ids) if self.partition_ids is not None else range(self.nodes)
+        if self.secure is not None and len(self.secure.node_keys) < len(ids):
+            raise DeployError(
+                f"secure: {len(self.secure.node_keys)} node keys for {len(ids)} SuperNodes"
+            )
+        cmd = superlink_command(self.port, simulation=simulation, secure=self.secure)
+        link = self._spawn("superlink", cmd)
         deadline = time.monotonic() + ready_timeout
         while not _port_open(self.port):
             if not link.alive():
@@ -366,11 +414,50 @@ class LocalDeployment:
             if time.monotonic() > deadline:
                 raise DeployError(f"flower-superlink not listening after {ready_timeout:.0f} s")
             time.sleep(0.2)
-        ids = list(self.partition_ids) if self.partition_ids is not None else range(self.nodes)
-        for i in [] if simulation else ids:
-            cmd = supernode_command(f"127.0.0.1:{self.port}", i, self.num_partitions, free_port())
-            self.supernodes.append(self._spawn(f"supernode-{i}", cmd))
         self._write_cli_config()
+        if self.secure is not None:  # only these keys may connect: register them first
+            self.node_ids = [self.register(self.secure.public_key(k)) for k in range(len(ids))]
+        for k, i in enumerate([] if simulation else ids):
+            key = None if self.secure is None else self.secure.node_keys[k]
+            self.supernodes.append(self.spawn_supernode(i, private_key=key))
+
+    def spawn_supernode(
+        self,
+        partition_id: int,
+        *,
+        name: str | None = None,
+        private_key: Path | None = None,
+        trust_ca: bool = True,
+        superlink: str | None = None,
+    ) -> Process:
+        """Start one SuperNode serving client ``partition_id`` (logs/<name>.log). In a secure
+        deployment it signs with ``private_key`` (None: no key) and trusts the deployment's
+        CA (``trust_ca=False``: only the system's CAs, as a machine never given ca.crt);
+        ``superlink``: the address it dials (default the SuperLink's; e.g. a proxy)."""
+        secure = self.secure is not None
+        ca = self.secure.ca_cert if self.secure is not None and trust_ca else None
+        cmd = supernode_command(
+            superlink or f"127.0.0.1:{self.port}",
+            partition_id,
+            self.num_partitions,
+            free_port(),
+            insecure=not secure,
+            root_certificates=ca,
+            private_key=private_key if secure else None,
+        )
+        return self._spawn(name or f"supernode-{partition_id}", cmd)
+
+    def register(self, public_key: Path) -> int:
+        """``flwr supernode register``: the SuperLink accepts the node holding this key;
+        returns the node id it assigned."""
+        res = self.flwr("supernode", "register", str(public_key), CONNECTION, "--format", "json")
+        payload = _last_json(res.stdout)
+        if res.returncode != 0 or not payload or not payload.get("success"):
+            raise DeployError(
+                f"flwr supernode register {public_key} failed ({res.returncode}):\n"
+                f"{res.stdout}\n{res.stderr}"
+            )
+        return int(payload["node-id"])
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM to every process group started here, SIGKILL to those still alive
@@ -399,9 +486,13 @@ class LocalDeployment:
     # -- the flwr CLI -----------------------------------------------------------------------
     def _write_cli_config(self) -> None:
         self.cli_home.mkdir(parents=True, exist_ok=True)
+        if self.secure is None:
+            security = "insecure = true"
+        else:
+            security = f"root-certificates = {json.dumps(str(self.secure.ca_cert.resolve()))}"
         (self.cli_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+            f'[superlink.{CONNECTION}]\naddress = "127.0.0.1:{self.port}"\n{security}\n'
         )
 
     def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
@@ -480,28 +571,58 @@ def _last_json(text: str) -> dict[str, Any] | None:
     return None
 
 
-def remote_commands(app_dir: str | Path, nodes: int, superlink: str = "SUPERLINK_HOST:8000") -> str:
-    """The raw commands of a multi-machine deployment of ``app_dir`` (insecure; see the
-    README for TLS and SuperNode authentication)."""
+def remote_commands(
+    app_dir: str | Path,
+    nodes: int,
+    superlink: str = "SUPERLINK_HOST:8000",
+    secure: SecureMaterial | None = None,
+) -> str:
+    """The raw commands of a multi-machine deployment of ``app_dir``: insecure, or with
+    ``secure`` (:func:`hyperfed.deploy.secure.make_material`) over TLS with SuperNode
+    authentication (each node's public key registered before the node starts)."""
+    port = superlink.rsplit(":", 1)[-1] if ":" in superlink else "8000"
+    if secure is None:
+        link_security = "--insecure"
+        node_security = "--insecure"
+        cli_security = "insecure = true"
+    else:
+        s = secure.folder
+        link_security = (
+            f"--ssl-ca-certfile {s}/ca.crt --ssl-certfile {s}/server.pem "
+            f"--ssl-keyfile {s}/server.key --enable-supernode-auth"
+        )
+        node_security = "--root-certificates ca.crt --auth-supernode-private-key node-$i"
+        cli_security = f'root-certificates = "{s.resolve()}/ca.crt"'
     lines = [
         "# on the server machine (Fleet + Control API over HTTP on one port):",
-        "flower-superlink --insecure --host 0.0.0.0 --port 8000 "
+        f"flower-superlink {link_security} --host 0.0.0.0 --port {port} "
         "--disable-runtime-dependency-installation",
         "",
-        f"# on client machine i = 0..{nodes - 1} (each serves the config's client i):",
-    ]
-    lines.append(
-        f"flower-supernode --insecure --superlink {superlink} "
-        f'--node-config "partition-id=$i num-partitions={nodes}"'
-    )
-    lines += [
-        "",
-        "# anywhere with the app folder: register the SuperLink once, then start the run",
+        "# anywhere with the app folder: name the SuperLink once",
         "cat >> ~/.flwr/config.toml <<EOF",
         "[superlink.hyperfed]",
         f'address = "{superlink}"',
-        "insecure = true",
+        cli_security,
         "EOF",
+    ]
+    if secure is not None:
+        lines += [
+            "# register every node's public key (only these nodes may connect):",
+            f"for i in $(seq 0 {nodes - 1}); do "
+            f"flwr supernode register {secure.folder}/nodes/node-$i.pub hyperfed; done",
+        ]
+    lines += [
+        "",
+        f"# on client machine i = 0..{nodes - 1} (each serves the config's client i)"
+        + (
+            f", holding ca.crt and its own nodes/node-$i (from {secure.folder}):"
+            if secure is not None
+            else ":"
+        ),
+        f"flower-supernode {node_security} --superlink {superlink} "
+        f'--node-config "partition-id=$i num-partitions={nodes}"',
+        "",
+        "# then start the run",
         f"flwr run {app_dir} hyperfed --stream",
         "flwr list hyperfed --format json   # status: finished:completed when done",
     ]
