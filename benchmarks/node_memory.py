@@ -23,7 +23,7 @@ def measure(dataset: str, clients: int, pooled: bool) -> dict[str, float]:
 
     from hyperfed.config import load_config
     from hyperfed.deploy import flower as fl
-    from hyperfed.runtime import simulate
+    from hyperfed.runtime import federation
 
     torch.set_num_threads(1)
     cfg = load_config(
@@ -31,8 +31,8 @@ def measure(dataset: str, clients: int, pooled: bool) -> dict[str, float]:
         [f"dataset.name={dataset}", f"clients.count={clients}", "clients.models=mlp", "device=cpu"],
     )
     if pooled:  # every node materializes the whole federation
-        whole = simulate.load_federation
-        fl.load_federation = lambda cfg, device, clients=None: whole(cfg, device)  # type: ignore[assignment,misc]
+        whole = federation.load_federation
+        federation.load_federation = lambda cfg, device, clients=None: whole(cfg, device)  # type: ignore[assignment,misc]
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     runtimes = [fl.ClientRuntime.build(cfg, cid, clients) for cid in range(clients)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

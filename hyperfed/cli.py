@@ -706,8 +706,8 @@ def attack(
     ] = None,
 ) -> None:
     """Gradient inversion (iDLG, seed 000 Fig. 6): what the server can rebuild from an upload."""
+    from hyperfed.attack import run_attack, save_report
     from hyperfed.config import load_config
-    from hyperfed.privacy.attack import run_attack, save_report
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     with Progress(

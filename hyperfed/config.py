@@ -31,7 +31,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from hyperfed.algorithms import get_algorithm, registry
+from hyperfed.data.sources import ArrayDataset, dataset_names, load_dataset
 from hyperfed.errors import ConfigError
+from hyperfed.models.zoo import model_names
 
 DEFAULT_CONFIG = Path(__file__).parent / "defaults" / "default.toml"
 
@@ -56,8 +59,6 @@ class DatasetConfig(_Section):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        from hyperfed.data.sources import dataset_names
-
         if v not in dataset_names():
             raise ValueError(f"unknown dataset {v!r}; allowed: {', '.join(dataset_names())}")
         return v
@@ -68,11 +69,9 @@ class DatasetConfig(_Section):
         # the run directory's config.toml must name the same data from any working directory
         return None if v is None else str(Path(v).expanduser().absolute())
 
-    def load(self) -> Any:
+    def load(self) -> ArrayDataset:
         """The :class:`~hyperfed.data.sources.ArrayDataset` this section names (``path`` and
         ``options`` passed to its loader)."""
-        from hyperfed.data.sources import load_dataset
-
         extra = {"path": self.path} if self.path is not None else {}
         return load_dataset(self.name, self.data_dir, **{**(self.options or {}), **extra})
 
@@ -138,8 +137,6 @@ class ClientsConfig(_Section):
     @field_validator("models", "new_models")
     @classmethod
     def _known(cls, v: str | list[str], info: ValidationInfo) -> str | list[str]:
-        from hyperfed.models.zoo import model_names
-
         names = [v] if isinstance(v, str) else v
         if not names and info.field_name == "models":
             raise ValueError("give at least one model name")
@@ -186,8 +183,6 @@ class AlgorithmConfig(BaseModel):
     def sections(self) -> list[str]:
         """Per-method tables: tables named after an algorithm (any other table, such as
         ``graph_args``, is a hyperparameter whose value is a table)."""
-        from hyperfed.algorithms import registry
-
         extra = self.model_extra or {}
         return [k for k, v in extra.items() if isinstance(v, dict) and k in registry()]
 
@@ -249,8 +244,6 @@ class ExperimentConfig(_Section):
 
     def hparams(self) -> Any:
         """The algorithm's hyperparameter dataclass, filled from ``[algorithm]``."""
-        from hyperfed.algorithms import get_algorithm, registry
-
         alg = get_algorithm(self.algorithm.name)
         for section in self.algorithm.sections:
             if section not in registry():
@@ -377,8 +370,6 @@ def resolve_per_method(raw: dict[str, Any]) -> dict[str, Any]:
     tables = raw.pop("per_method", None)
     if tables is None:
         return raw
-    from hyperfed.algorithms import registry
-
     if not isinstance(tables, dict):
         raise ConfigError(
             "per_method: expected tables named after methods, e.g. [per_method.fedavg]"

@@ -4,6 +4,12 @@ Every module of ``hyperfed`` is parsed (not imported); each ``import hyperfed...
 at top level or inside a function, is an edge, except imports under ``if TYPE_CHECKING:``
 (annotations only). A module may import its own layer or a lower one, and the graph of modules
 has no cycle.
+
+Package = layer (issue 38, item 4): every sub-package (``hyperfed.<name>``, with everything
+below it) holds modules of one layer, and the graph of packages -- a module of package P
+importing one of package Q is an edge P -> Q; each top-level module is a package of its own --
+has no cycle, lazy imports included. The top-level ``hyperfed`` namespace itself holds modules of
+every layer and is not a package in this sense.
 """
 
 from __future__ import annotations
@@ -15,7 +21,16 @@ import hyperfed
 
 # bottom -> top; a module belongs to the layer of the longest prefix that names it
 LAYERS: list[tuple[str, list[str]]] = [
-    ("errors", ["hyperfed.errors", "hyperfed.hparams", "hyperfed.plugins", "hyperfed.progress"]),
+    (
+        "errors",
+        [
+            "hyperfed.errors",
+            "hyperfed.hparams",
+            "hyperfed.plugins",
+            "hyperfed.progress",
+            "hyperfed.registry",
+        ],
+    ),
     ("data", ["hyperfed.data"]),
     ("models", ["hyperfed.models"]),
     ("hypernet", ["hyperfed.hypernet"]),
@@ -47,7 +62,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "hyperfed.export",
             "hyperfed.bench",
             "hyperfed.deploy",
-            "hyperfed.privacy.attack",
+            "hyperfed.attack",
         ],
     ),
 ]
@@ -127,28 +142,105 @@ def test_no_module_imports_from_a_higher_layer() -> None:
     assert not upward, "imports that point up:\n" + "\n".join(sorted(upward))
 
 
-def test_the_import_graph_has_no_cycle() -> None:
-    graph = _graph()
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its nodes, the first repeated at the end), or None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
-    def visit(m: str) -> None:
+    def visit(m: str) -> list[str] | None:
         state[m] = 1
         stack.append(m)
         for d in sorted(graph.get(m, ())):
             if d not in graph:
                 continue
             if state.get(d) == 1:
-                cycle = stack[stack.index(d) :] + [d]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if d not in state:
-                visit(d)
+                return stack[stack.index(d) :] + [d]
+            if d not in state and (found := visit(d)):
+                return found
         stack.pop()
         state[m] = 2
+        return None
 
     for m in sorted(graph):
-        if m not in state:
-            visit(m)
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def _package(module: str) -> str:
+    """``hyperfed.runtime.driver`` -> ``hyperfed.runtime``; a top-level module is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        if mod == "hyperfed":
+            continue
+        here = _package(mod)
+        packages.setdefault(here, set()).update(
+            _package(d) for d in deps if d != "hyperfed" and _package(d) != here
+        )
+    return packages
+
+
+def _layers_per_package(layer_of: dict[str, str]) -> dict[str, set[str]]:
+    """The layers of each package's modules, from ``{module: its layer}``."""
+    out: dict[str, set[str]] = {}
+    for m, layer in layer_of.items():
+        out.setdefault(_package(m), set()).add(layer)
+    return out
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_package_graph_has_no_cycle() -> None:
+    cycle = _cycle(_package_graph(_graph()))
+    assert cycle is None, "import cycle between packages: " + " -> ".join(cycle or [])
+
+
+def test_every_package_holds_one_layer() -> None:
+    layer_of = {
+        m: LAYERS[_layer(m)][0]
+        for m in _modules()
+        if m not in PACKAGES_WITHOUT_CODE and _layer(m) >= 0  # (a missing layer fails above)
+    }
+    mixed = {p: sorted(ls) for p, ls in _layers_per_package(layer_of).items() if len(ls) > 1}
+    assert not mixed, f"packages spanning layers (move the modules or split the package): {mixed}"
+
+
+def test_the_package_checks_fail_on_a_bad_graph() -> None:
+    """The checkers on hand-made graphs: a cycle through lazy imports of two packages (no cycle
+    between their modules), and a package holding an app beside a layer below it."""
+    modules = {
+        "hyperfed.config": {"hyperfed.algorithms"},  # e.g. a deferred registry import
+        "hyperfed.algorithms": {"hyperfed.algorithms.x"},
+        "hyperfed.algorithms.x": {"hyperfed.algorithms.base"},
+        "hyperfed.algorithms.base": {"hyperfed.config"},
+    }
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+    assert _cycle(modules) is not None
+    no_module_cycle = {**modules, "hyperfed.algorithms.base": {"hyperfed.config_errors"}}
+    no_module_cycle["hyperfed.config_errors"] = set()
+    no_module_cycle["hyperfed.config"] = {"hyperfed.algorithms.x"}
+    no_module_cycle["hyperfed.algorithms.y"] = {"hyperfed.config"}
+    assert _cycle(no_module_cycle) is None
+    assert _cycle(_package_graph(no_module_cycle)) == [
+        "hyperfed.algorithms",
+        "hyperfed.config",
+        "hyperfed.algorithms",
+    ]
+    one_each = {"hyperfed.privacy.accounting": "train", "hyperfed.deploy.flower": "apps"}
+    assert _layers_per_package(one_each) == {
+        "hyperfed.privacy": {"train"},
+        "hyperfed.deploy": {"apps"},
+    }
+    # privacy/ as it was: DP accounting (train) beside the attack app
+    spanning = {"hyperfed.privacy.accounting": "train", "hyperfed.privacy.attack": "apps"}
+    assert _layers_per_package(spanning) == {"hyperfed.privacy": {"train", "apps"}}
 
 
 def test_the_checker_sees_an_upward_edge(tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ from cli_helpers import SMALL as BASE
 from cli_helpers import invoke
 from cli_helpers import sets as _sets
 
+from hyperfed.attack import best_match, uploaded_updates
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model
-from hyperfed.privacy.attack import best_match, uploaded_updates
 from hyperfed.privacy.inversion import (
     PSNR_MAX,
     infer_label,
@@ -190,3 +190,17 @@ def test_pixels_undo_the_normalization(digits_data):
     idx = digits_data.train_idx[0][:5]
     raw = digits_data.x[idx].float() / 255
     torch.testing.assert_close(digits_data.pixels(digits_data.features(idx)), raw)
+
+
+def test_attack_gets_the_rounds_reply_validation(monkeypatch):
+    """The attacked reply passes Server.check_reply as in every round (issue 38 item 2): a
+    reply the server rejects is not attacked."""
+    from hyperfed.algorithms import get_algorithm
+    from hyperfed.attack import AttackError, run_attack
+    from hyperfed.config import load_config
+
+    cfg = load_config(None, SMALL)
+    server = get_algorithm("fedavg").server
+    monkeypatch.setattr(server, "check_reply", lambda self, cid, reply: "forged by the test")
+    with pytest.raises(AttackError, match="rejected by the server's validation"):
+        run_attack(cfg, images=0, iters=1)

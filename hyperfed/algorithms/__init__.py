@@ -1,11 +1,12 @@
 """One file per method: every module here with an ``ALGORITHM`` entry (or an ``ALGORITHMS``
-list, for a paper's variants) is registered, and so is every algorithm another installed package
-declares under the ``hyperfed.algorithms`` entry point group (:mod:`hyperfed.plugins`)."""
+list, for a paper's variants) is imported by name at the end of this file and registered
+(:class:`hyperfed.registry.Registry`), and so is every algorithm another installed package
+declares under the ``hyperfed.algorithms`` entry point group (:mod:`hyperfed.plugins`).
+A new method file is added to that import list (``tests/test_federation.py`` checks that
+every method module is listed)."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import types
 from collections.abc import Iterator
 
@@ -19,6 +20,7 @@ from hyperfed.algorithms.base import (
     Server,
     ServerContext,
 )
+from hyperfed.registry import Registry
 
 
 def _in_module(module: types.ModuleType) -> list[Algorithm]:
@@ -39,16 +41,12 @@ def _plugin_algorithms(plugin: plugins.Plugin) -> Iterator[tuple[str, Algorithm]
         yield alg.name, alg
 
 
-@plugins.cached
+ALGORITHMS: Registry[Algorithm] = Registry("algorithms", _plugin_algorithms)
+
+
 def registry() -> dict[str, Algorithm]:
-    """Every algorithm by name: the modules of this package, then the installed plugins."""
-    algos = {}
-    for info in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for alg in _in_module(module):
-            algos[alg.name] = alg
-    algos.update(plugins.discover("algorithms", algos, _plugin_algorithms))
-    return dict(sorted(algos.items()))
+    """Every algorithm by name: the method modules of this package, then the installed plugins."""
+    return dict(sorted(ALGORITHMS.entries().items()))
 
 
 def get_algorithm(name: str) -> Algorithm:
@@ -66,6 +64,89 @@ __all__ = [
     "Payload",
     "Server",
     "ServerContext",
+    "ALGORITHMS",
+    "METHOD_MODULES",
     "get_algorithm",
     "registry",
 ]
+
+
+# every method module, by name (imported last: a method module may import this package)
+from hyperfed.algorithms import (  # noqa: E402
+    desa,
+    dfedalt,
+    dfedavg,
+    dfedhp,
+    dispfl,
+    distilled_set,
+    ditto,
+    fd,
+    fedavg,
+    fedbn,
+    feddm,
+    fedfomo,
+    fedgh,
+    fedkd,
+    fedper,
+    fedphp,
+    fedproto,
+    fedrep,
+    fedrod,
+    fedtgp,
+    fml,
+    hypcluster,
+    lg_fedavg,
+    local,
+    mapper,
+    mh_pfedhn,
+    mh_pfedhndd,
+    moon,
+    partialfed,
+    pefll,
+    pfedes,
+    pfedhn,
+    pfedkt,
+    pfedla,
+    pfedlhn,
+)
+
+METHOD_MODULES: tuple[types.ModuleType, ...] = (
+    desa,
+    dfedalt,
+    dfedavg,
+    dfedhp,
+    dispfl,
+    distilled_set,
+    ditto,
+    fd,
+    fedavg,
+    fedbn,
+    feddm,
+    fedfomo,
+    fedgh,
+    fedkd,
+    fedper,
+    fedphp,
+    fedproto,
+    fedrep,
+    fedrod,
+    fedtgp,
+    fml,
+    hypcluster,
+    lg_fedavg,
+    local,
+    mapper,
+    mh_pfedhn,
+    mh_pfedhndd,
+    moon,
+    partialfed,
+    pefll,
+    pfedes,
+    pfedhn,
+    pfedkt,
+    pfedla,
+    pfedlhn,
+)
+for _module in METHOD_MODULES:
+    for _alg in _in_module(_module):
+        ALGORITHMS.register(_alg.name, _alg)

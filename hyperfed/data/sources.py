@@ -50,6 +50,7 @@ import numpy as np
 
 from hyperfed import plugins
 from hyperfed.errors import HyperfedError
+from hyperfed.registry import Registry
 
 __all__ = [
     "DATASETS",
@@ -1361,10 +1362,12 @@ def _plugin_dataset(plugin: plugins.Plugin) -> list[tuple[str, DatasetEntry]]:
     return [(plugin.name, DatasetEntry(value, what, f"plugin package {plugin.package}"))]
 
 
-@plugins.cached
+DATASET_REGISTRY: Registry[DatasetEntry] = Registry("datasets", _plugin_dataset, DATASETS)
+
+
 def dataset_entries() -> dict[str, DatasetEntry]:
     """:data:`DATASETS`, then the datasets of installed plugins (group ``hyperfed.datasets``)."""
-    return {**DATASETS, **plugins.discover("datasets", DATASETS, _plugin_dataset)}
+    return DATASET_REGISTRY.entries()
 
 
 def dataset_names() -> list[str]:

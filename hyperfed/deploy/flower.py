@@ -14,11 +14,12 @@ payloads (dicts of named tensors) as in the simulator, serialized into Flower re
    model on its own test split; the server writes ``metrics.jsonl`` / ``summary.md`` into
    the run directory as the simulator does.
 
-A client's data partition comes from its node config (``partition-id``, ``num-partitions``)
-and the same :func:`hyperfed.runtime.simulate.load_federation` the simulator uses, so node
-``i`` trains on exactly the simulator's client ``i``. Each message may run in a fresh
-ClientApp process; the client's state (BatchNorm statistics, personal layers, ...) is kept
-in ``context.state`` between rounds.
+A client's data partition comes from its node config (``partition-id``, ``num-partitions``),
+and the node builds its client as the simulator does (:class:`hyperfed.runtime.federation.
+Federation`, which the server uses too), so node ``i`` trains on exactly the simulator's client
+``i`` from the simulator's initial state. Each message may run in a fresh ClientApp process;
+the client's state (BatchNorm statistics, personal layers, ...) is kept in ``context.state``
+between rounds.
 
 The run config (``[tool.flwr.app.config]`` of the app, see ``hyperfed.deploy.launch``): every
 experiment setting as its own key (``rounds``, ``algorithm.name``, ``local.lr``, ...; ``flwr
@@ -57,14 +58,11 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.utils import get_flwr_home
 from torch import Tensor
 
-from hyperfed.algorithms import get_algorithm
 from hyperfed.algorithms.base import (
     Client,
-    ClientContext,
     ClientGroup,
     Payload,
     Server,
-    ServerContext,
     payload_bytes,
     stack_payloads,
     unstack_payload,
@@ -78,22 +76,13 @@ from hyperfed.deploy.launch import (
     RC_ROUND_TIMEOUT,
     RC_RUN_DIR,
     experiment_from_run_config,
-    flower_algorithm,
 )
 from hyperfed.engine.local import FlopMeter, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, channels_last
-from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver, RoundResult
+from hyperfed.runtime.driver import EvalCounts, Exchange, RoundResult
+from hyperfed.runtime.federation import Federation
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.rundir import RunDir, atomic_write_bytes
-from hyperfed.runtime.simulate import (
-    build_models,
-    client_groups,
-    execution_path,
-    load_federation,
-    resolve_device,
-    resolve_sgd,
-    use_channels_last,
-)
 
 log = logging.getLogger("hyperfed.flower")
 
@@ -176,7 +165,7 @@ class ClientRuntime:
     data: FederatedData
     fm: FunctionalModel
     client: Client
-    device: torch.device
+    federation: Federation
     lost: bool = False  # its saved state was gone when a resumed run needed it
     run_keys: dict[str, str] = field(default_factory=dict)  # run-dir -> its state folder name
 
@@ -189,29 +178,29 @@ class ClientRuntime:
             )
         if not 0 <= cid < cfg.clients.count:
             raise ConfigError(f"node config partition-id={cid} not in [0, {cfg.clients.count})")
-        alg = flower_algorithm(cfg)
-        device = resolve_device(cfg.device)
-        data = load_federation(cfg, device, clients=[cid])  # its own samples only
-        arch = cfg.clients.assignment(cfg.seed)[cid]
-        # its model, initialized as the simulator initializes it (same seed)
-        fm = build_models(cfg, data.input_shape, data.num_classes, device, only=arch)[arch]
-        torch.manual_seed(cfg.seed)
-        ctx = ClientContext(cfg.seed, device, data.num_classes, data.input_shape)
-        return cls(cfg, cid, data, fm, alg.client(cfg.hparams(), ctx), device)
+        fed = Federation(cfg)  # Flower runs every kind of algorithm (deploy/launch.py)
+        data = fed.load_data(clients=[cid])  # its own samples only
+        arch = fed.arch_of[cid]
+        # its model and client role, initialized as the simulator initializes them
+        fm = fed.models(data.input_shape, data.num_classes, only=arch)[arch]
+        client = fed.client_role(data.input_shape, data.num_classes)
+        return cls(cfg, cid, data, fm, client, fed)
+
+    @property
+    def device(self) -> torch.device:
+        return self.federation.device
 
     def group(self, rnd: int) -> ClientGroup:
-        vectorize, reference = execution_path(self.cfg, self.device)
-        sgd = resolve_sgd(self.cfg, get_algorithm(self.cfg.algorithm.name).local_defaults)
-        return ClientGroup(
-            self.fm,
-            [self.cid],
-            self.data,
-            rnd,
-            self.cfg.seed,
-            sgd,
-            vectorize,
-            reference,
-        )
+        return self.federation.group(self.fm, [self.cid], self.data, rnd)
+
+    def initial_state(self) -> dict[str, Tensor]:
+        """This client's initial state, stacked: the simulator's draw for client ``cid``
+        (the architecture groups before its own are drawn too, and dropped)."""
+        fed, arch = self.federation, self.fm.name
+        before = [name for name in fed.groups_through(self.cid) if name != arch]
+        models = fed.models(self.data.input_shape, self.data.num_classes, before) if before else {}
+        state = fed.initial_states(self.client, {**models, arch: self.fm}, [self.cid])
+        return stack_payloads([state[self.cid]])
 
     def join(self) -> Payload:
         return self.client.join(self.fm, self.data.train_sizes[self.cid])
@@ -244,9 +233,7 @@ class ClientRuntime:
             one = _state_from_record(context.state.array_records[STATE], self.device)
             return stack_payloads([one])
         folder = self.state_dir(context)
-        init = {
-            k: v.to(self.device) for k, v in self.client.init_states(self.fm, [self.cid]).items()
-        }
+        init = self.initial_state()
         if folder is None:
             return init
         if checkpoint == 0:  # a fresh start: files of an earlier run here are not ours
@@ -292,7 +279,7 @@ class ClientRuntime:
     ) -> tuple[Payload, dict[str, float]]:
         state = self.load_state(context, checkpoint)
         # FLOPs measured here, reported to the server (it cannot see them)
-        with FlopMeter() as meter, channels_last(use_channels_last(self.cfg, self.device)):
+        with FlopMeter() as meter, channels_last(self.federation.nhwc):
             reply, new_state, loss = self.client.fit(self.group(rnd), stack_payloads([msg]), state)
         self.save_state(context, new_state, rnd, checkpoint)
         metrics = {"train_loss": float(loss.reshape(-1)[0]), "train_flops": float(meter.total)}
@@ -330,7 +317,7 @@ class ClientRuntime:
             raise ValueError(f"evaluate: unknown split {split!r}")
         state = self.load_state(context, checkpoint)
         theta, buffers = self.client.eval_model(self.group(-1), stack_payloads([msg]), state)
-        with channels_last(use_channels_last(self.cfg, self.device)):
+        with channels_last(self.federation.nhwc):
             net = self.client.eval_network(self.fm)
             ok, total, loss = evaluate_clients(net, theta, buffers, self.data, [self.cid], split)
         return {"correct": float(ok[0]), "total": float(total[0]), "loss_sum": float(loss[0])}
@@ -457,11 +444,12 @@ class Deployment:
     def __init__(self, grid: Grid, run_config: dict[str, Any]) -> None:
         self.grid = grid
         self.cfg = cfg = config_from_run_config(run_config)
-        self.algorithm = flower_algorithm(cfg)
+        self.federation = fed = Federation(cfg)  # the simulator's builder (runtime/federation.py)
+        self.algorithm = fed.algorithm
         self.resume = bool(run_config.get(RC_RESUME, False))
         self.last_checkpoint = 0  # round of the last checkpoint written (sent to the nodes)
-        self.device = resolve_device(cfg.device)
-        self.reference = execution_path(cfg, self.device)[1]  # its nodes report no loss
+        self.device = fed.device
+        self.reference = fed.reference  # its nodes report no loss
         self.n = cfg.clients.count
         self.min_nodes = int(run_config.get(RC_MIN_NODES, self.n) or self.n)
         self.join_timeout = float(run_config.get(RC_JOIN_TIMEOUT, 300.0))
@@ -469,8 +457,6 @@ class Deployment:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = str(run_config.get(RC_RUN_DIR, "") or f"runs/{stamp}-flower-{cfg.algorithm.name}")
         self.run_dir = RunDir(run_dir)
-        self.arch_of = cfg.clients.assignment(cfg.seed)
-        self.groups = client_groups(self.arch_of)
         self.node_of: dict[int, int] = {}  # client id -> Flower node id
         self.server: Server | None = None
         self.totals: dict[str, int] = {}
@@ -597,14 +583,10 @@ class Deployment:
         return dict(sorted(joins.items()))
 
     def build_server(self, joins: dict[int, Payload]) -> Server:
-        cfg = self.cfg
-        ds = cfg.dataset.load()  # shape and classes only
-        self.models = build_models(cfg, ds.input_shape, ds.num_classes, self.device)
-        ctx = ServerContext(
-            cfg.seed, self.device, ds.num_classes, ds.input_shape, self.models, cfg.rounds
-        )
-        torch.manual_seed(cfg.seed)
-        return self.algorithm.server(cfg.hparams(), joins, ctx)
+        """The server role for the nodes that joined, built as the simulator builds it."""
+        ds = self.cfg.dataset.load()  # shape and classes only
+        self.models = self.federation.models(ds.input_shape, ds.num_classes)
+        return self.federation.server_role(joins, self.models, ds.input_shape, ds.num_classes)
 
     # -- the Transport the round driver talks to (runtime/driver.py) ---------------------
     def reachable(self) -> set[int] | None:
@@ -686,20 +668,7 @@ class Deployment:
         cfg = self.cfg
         joins = self.join()
         self.server = server = self.build_server(joins)
-        decentralized = self.algorithm.kind == "decentralized"
-        driver = RoundDriver(
-            server,
-            self,
-            num_clients=self.n,
-            participation=cfg.participation,
-            seed=cfg.seed,
-            arch_of=self.arch_of,
-            order=[c for members in self.groups.values() for c in members],
-            groups=list(self.groups.values()),
-            validate=cfg.partition.val_fraction > 0,
-            scores=self.algorithm.scored_model(cfg.hparams()),
-            gossip=Gossip(cfg.hparams(), self.n, cfg.seed) if decentralized else None,
-        )
+        driver = self.federation.driver(server, self)
         start = 0
         if self.checkpoint_state is not None:
             start = self.last_checkpoint = driver.load_state_dict(self.checkpoint_state)

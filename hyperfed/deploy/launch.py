@@ -54,7 +54,7 @@ def flower_algorithm(cfg: ExperimentConfig) -> Algorithm:
     """The config's algorithm; Flower runs every kind: a centralized one with a server that
     aggregates, a decentralized one with a server that only relays neighbours' payloads."""
     from hyperfed.algorithms import get_algorithm
-    from hyperfed.runtime.simulate import check_architectures
+    from hyperfed.runtime.federation import check_architectures
 
     algorithm = get_algorithm(cfg.algorithm.name)
     check_architectures(algorithm, cfg.clients.assignment(cfg.seed))

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from hyperfed import plugins
 from hyperfed.errors import HyperfedError
+from hyperfed.registry import Registry
 
 __all__ = [
     "MODEL_REGISTRY",
@@ -580,10 +581,12 @@ def _plugin_model(plugin: plugins.Plugin) -> list[tuple[str, ModelEntry]]:
     return [(plugin.name, ModelEntry(value, f"{what} (plugin: {plugin.package})", 1, True))]
 
 
-@plugins.cached
+# the zoo, then the models of installed plugins (entry point group ``hyperfed.models``)
+MODELS: Registry[ModelEntry] = Registry("models", _plugin_model, MODEL_REGISTRY)
+
+
 def _models() -> dict[str, ModelEntry]:
-    """The zoo, then the models of installed plugins (entry point group ``hyperfed.models``)."""
-    return {**MODEL_REGISTRY, **plugins.discover("models", MODEL_REGISTRY, _plugin_model)}
+    return MODELS.entries()
 
 
 def model_names() -> list[str]:

@@ -1,3 +1,4 @@
-"""Privacy tools: differential-privacy accounting (:mod:`hyperfed.privacy.accounting`),
-gradient inversion (:mod:`hyperfed.privacy.inversion`) and the ``hyperfed attack``
-experiment built on it (:mod:`hyperfed.privacy.attack`)."""
+"""Privacy mechanics the methods and apps call: differential privacy (accounting,
+:mod:`hyperfed.privacy.accounting`, and DP-SGD, :mod:`hyperfed.privacy.dp_sgd`) and gradient
+inversion (:mod:`hyperfed.privacy.inversion`). The ``hyperfed attack`` experiment built on the
+inversion is an app: :mod:`hyperfed.attack`."""

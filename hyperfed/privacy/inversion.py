@@ -16,7 +16,7 @@ iDLG has two parts:
   which is scale-free and recovers images from the same models.
 
 A client that trains E epochs before it uploads (every method here) does not send one
-gradient: the attack experiment (:mod:`hyperfed.privacy.attack`) reads the update as
+gradient: the attack experiment (:mod:`hyperfed.attack`) reads the update as
 the attacker would, as ``-delta / (lr * steps)``, the mean gradient of one step.
 """
 

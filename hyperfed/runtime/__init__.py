@@ -1,1 +1,2 @@
-"""What calls the algorithms: the round driver, the in-memory simulator, gossip, run directories."""
+"""What calls the algorithms: the federation builder, the round driver, the in-memory simulator,
+gossip, run directories."""

@@ -116,6 +116,19 @@ class Exchange:
 
 
 @dataclass
+class TrainExchange:
+    """One training exchange, validated and not aggregated (:meth:`RoundDriver.train_exchange`):
+    the payloads sent, what came back, the replies that passed validation (in aggregation order)
+    and the clients whose replies did not, and the FLOPs the server spent configuring."""
+
+    msgs: dict[int, Payload]
+    got: Exchange
+    accepted: dict[int, Payload]
+    rejected: list[int]
+    server_flops: int
+
+
+@dataclass
 class EvalCounts:
     """Per-client evaluation sums over the whole federation ``[N]`` (NaN: did not answer)."""
 
@@ -285,24 +298,32 @@ class RoundDriver:
         self.totals["flops_server"] += result.server_flops
         return result
 
-    def _server_round(self, rnd: int, cids: list[int]) -> RoundResult:
+    def train_exchange(self, rnd: int, cids: list[int]) -> TrainExchange:
+        """Steps 2-4 of round ``rnd`` for ``cids``: the server configures their payloads, the
+        transport delivers them, and the replies are validated (``Server.check_reply``) --
+        nothing is aggregated or counted. A round runs this, then aggregates; an app that
+        inspects what a client uploads (``hyperfed attack``) calls it alone."""
         msgs, server_flops = measured_flops(self.server.configure_train, rnd, cids)
         got = self.transport.fit(rnd, msgs)
         accepted, rejected = self._validate(
             got.replies, self.server.check_reply, f"round {rnd}: update"
         )
+        return TrainExchange(msgs, got, accepted, rejected, server_flops)
+
+    def _server_round(self, rnd: int, cids: list[int]) -> RoundResult:
+        ex = self.train_exchange(rnd, cids)
         with phase(f"server: aggregating round {rnd}"):  # e.g. a server that trains
-            server_flops += measured_flops(self.server.aggregate, rnd, accepted)[1]
-        train_loss, diverged = loss_summary(got.losses, self.transport.reference)
+            aggregate_flops = measured_flops(self.server.aggregate, rnd, ex.accepted)[1]
+        train_loss, diverged = loss_summary(ex.got.losses, self.transport.reference)
         return RoundResult(
             clients=cids,
             train_loss=train_loss,
-            bytes_up=sum(payload_bytes(p) for p in got.replies.values()),
-            bytes_down=sum(payload_bytes(msgs[c]) for c in cids),
-            flops=got.flops,
-            rejected=rejected,
-            replied=sorted(accepted),
-            server_flops=server_flops,
+            bytes_up=sum(payload_bytes(p) for p in ex.got.replies.values()),
+            bytes_down=sum(payload_bytes(ex.msgs[c]) for c in cids),
+            flops=ex.got.flops,
+            rejected=ex.rejected,
+            replied=sorted(ex.accepted),
+            server_flops=ex.server_flops + aggregate_flops,
             nonfinite_loss=diverged,
         )
 

@@ -1,6 +1,7 @@
-"""A federation on one machine, and the builders every runtime shares (data, models, SGD).
+"""A federation on one machine.
 
-:class:`Simulation` builds the config's data, models, server role and client role, and runs
+:class:`Simulation` builds the config's data, models, server role and client role with the
+:class:`~hyperfed.runtime.federation.Federation` every runtime shares, and runs
 them through the round driver (:mod:`hyperfed.runtime.driver`, the loop every transport
 shares) with an :class:`InMemoryTransport`: the clients' state lives in a store indexed by
 client id and each architecture group trains together. A run appends to ``metrics.jsonl``
@@ -18,26 +19,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hyperfed.algorithms import get_algorithm
 from hyperfed.algorithms.base import (
     EVAL_REQUEST,
-    Algorithm,
     Client,
-    ClientContext,
     ClientGroup,
     Payload,
-    ServerContext,
     payload_bytes,
     stack_payloads,
     unstack_payload,
 )
 from hyperfed.config import ConfigError, ExperimentConfig, to_toml
-from hyperfed.data.federated import FederatedData, federate
-from hyperfed.engine.local import FlopMeter, FlopSum, SGDConfig, evaluate_clients
+from hyperfed.data.federated import FederatedData
+from hyperfed.engine.local import FlopMeter, FlopSum, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, channels_last
-from hyperfed.models.zoo import ModelInputError, build_model, check_input
 from hyperfed.progress import PhaseCost, phase
-from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver, RoundResult
+from hyperfed.runtime.driver import EvalCounts, Exchange, RoundResult
+from hyperfed.runtime.federation import (
+    Federation,
+    build_models,
+    load_federation,
+    resolve_device,
+    use_channels_last,
+)
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.parallel import (
     ChunkFn,
@@ -50,30 +53,18 @@ from hyperfed.runtime.rundir import RunDir, RunDirError
 
 log = logging.getLogger("hyperfed")
 
-# Local SGD defaults when neither the config nor the algorithm sets them (seed 000 §4.1).
-SGD_DEFAULTS = {"lr": 1e-3, "momentum": 0.9, "weight_decay": 1e-4, "epochs": 2}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda requested but no CUDA device is available; use auto or cpu")
-    return torch.device(name)
-
-
-def resolve_sgd(cfg: ExperimentConfig, algorithm_defaults: dict[str, Any]) -> SGDConfig:
-    values = {**SGD_DEFAULTS, **algorithm_defaults}
-    for key in ("lr", "momentum", "weight_decay", "epochs"):
-        v = getattr(cfg.local, key)
-        if v is not None:
-            values[key] = v
-    return SGDConfig(
-        batch_size=cfg.local.batch_size,
-        cuda_graphs=cfg.local.cuda_graphs,
-        compile=cfg.local.compile,
-        **values,
-    )
+# the builders live in runtime/federation.py; importers of this module keep these names
+__all__ = [
+    "InMemoryTransport",
+    "Simulation",
+    "build_models",
+    "load_federation",
+    "resolve_device",
+    "resume",
+    "train_flops_per_sample",
+    "use_channels_last",
+    "worker_chunks",
+]
 
 
 def train_flops_per_sample(
@@ -87,86 +78,6 @@ def train_flops_per_sample(
         module(x).sum().backward()
     module.zero_grad(set_to_none=True)
     return int(counter.get_total_flops() // 2)
-
-
-def execution_path(cfg: ExperimentConfig, device: torch.device) -> tuple[bool, bool]:
-    """(vectorize, reference) for ``local.vectorize``. "auto": one vmapped step per group on
-    a GPU; client after client on a CPU, where per-step overhead dominates and batched
-    convolutions do not pay (`hyperfed bench`, 2-core dev machine, 8 Fashion-MNIST clients:
-    the loop 1.13x the reference loop's speed, vmap 0.88x)."""
-    mode = cfg.local.vectorize
-    return mode == "on" or (mode == "auto" and device.type == "cuda"), mode == "reference"
-
-
-def use_channels_last(cfg: ExperimentConfig, device: torch.device) -> bool:
-    """``local.channels_last``; "auto" = on for CPU runs (the only device it was measured on)."""
-    mode = cfg.local.channels_last
-    return mode == "on" or (mode == "auto" and device.type == "cpu")
-
-
-def check_architectures(algorithm: Algorithm, arch_of: list[str]) -> None:
-    """A method that serves one architecture refuses a mix (one line: how to fix it)."""
-    if algorithm.homogeneous_only and len(set(arch_of)) > 1:
-        raise ConfigError(
-            f"clients.models: {algorithm.name} needs one architecture for all clients "
-            f"(got {sorted(set(arch_of))}); set clients.models to a single name"
-        )
-
-
-def load_federation(
-    cfg: ExperimentConfig, device: torch.device, clients: list[int] | None = None
-) -> FederatedData:
-    """The config's dataset split over ``clients.count`` clients: the same partition on every
-    machine for the same config and seed (the simulator and each Flower client call this).
-    ``clients``: keep only their samples (:meth:`FederatedData.only`; a Flower node's own)."""
-    ds = cfg.dataset.load()
-    for name in set(cfg.clients.assignment(cfg.seed)):
-        try:
-            check_input(name, ds.input_shape)
-        except ModelInputError as e:
-            raise ConfigError(f"clients.models: {e}") from None
-    p = cfg.partition
-    data = federate(
-        ds,
-        cfg.clients.count,
-        p.name,
-        classes_per_client=p.classes_per_client,
-        alpha=p.alpha,
-        flwr_args=p.flwr,
-        test_fraction=p.test_fraction,
-        val_fraction=p.val_fraction,
-        seed=cfg.seed,
-        subsample=cfg.dataset.subsample,
-        device=device if clients is None else "cpu",
-    )
-    return data if clients is None else data.only(clients).to(device)
-
-
-def build_models(
-    cfg: ExperimentConfig,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    device: torch.device,
-    only: str | None = None,
-) -> dict[str, FunctionalModel]:
-    """One model per architecture in the config, seeded by its sorted position (``only``:
-    just that architecture, initialized as in the full set)."""
-    models: dict[str, FunctionalModel] = {}
-    for i, name in enumerate(sorted(set(cfg.clients.assignment(cfg.seed)))):
-        if only is not None and name != only:
-            continue
-        torch.manual_seed(cfg.seed * 1000 + i)
-        module = build_model(name, input_shape, num_classes).to(device)
-        models[name] = FunctionalModel(module, name)
-    return models
-
-
-def client_groups(arch_of: list[str]) -> dict[str, list[int]]:
-    """Client ids per architecture, in order of first appearance."""
-    groups: dict[str, list[int]] = {}
-    for cid, name in enumerate(arch_of):
-        groups.setdefault(name, []).append(cid)
-    return groups
 
 
 class InMemoryTransport:
@@ -286,65 +197,26 @@ class Simulation:
 
     def __init__(self, cfg: ExperimentConfig, data: FederatedData | None = None) -> None:
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        self.algorithm = get_algorithm(cfg.algorithm.name)
-        self.hp = cfg.hparams()
+        self.federation = fed = Federation(cfg)  # runtime/federation.py: every runtime's builder
         if cfg.tensorboard:
             open_tensorboard()
-        self.sgd = resolve_sgd(cfg, self.algorithm.local_defaults)
-        self.arch_of = cfg.clients.assignment(cfg.seed)
-        check_architectures(self.algorithm, self.arch_of)
-        if data is None:
-            data = load_federation(cfg, self.device)
-        self.data = data
-        self.vectorize, self.reference = execution_path(cfg, self.device)
-        self.nhwc = use_channels_last(cfg, self.device)
+        self.device, self.algorithm, self.hp, self.sgd = fed.device, fed.algorithm, fed.hp, fed.sgd
+        self.arch_of, self.groups = fed.arch_of, fed.groups
+        self.vectorize, self.reference, self.nhwc = fed.vectorize, fed.reference, fed.nhwc
+        self.data = data = fed.load_data() if data is None else data
+        shape, classes = data.input_shape, data.num_classes
 
-        self.models = build_models(cfg, data.input_shape, data.num_classes, self.device)
-        self.groups = client_groups(self.arch_of)
-
-        torch.manual_seed(cfg.seed)
-        self.client = self.algorithm.client(
-            self.hp, ClientContext(cfg.seed, self.device, data.num_classes, data.input_shape)
-        )
-        self.joins = {
-            cid: self.client.join(self.models[a], data.train_sizes[cid])
-            for cid, a in enumerate(self.arch_of)
-        }
-        ctx = ServerContext(
-            cfg.seed, self.device, data.num_classes, data.input_shape, self.models, cfg.rounds
-        )
-        self.server = self.algorithm.server(self.hp, self.joins, ctx)
-        store: dict[int, dict[str, Tensor]] = {}
-        for name, cids in self.groups.items():
-            state = self.client.init_states(self.models[name], cids)
-            for i, cid in enumerate(cids):
-                store[cid] = {k: v[i].to(self.device) for k, v in state.items()}
+        self.models = fed.models(shape, classes)
+        self.client = fed.client_role(shape, classes)
+        self.joins = fed.joins(self.client, self.models, data.train_sizes)
+        self.server = fed.server_role(self.joins, self.models, shape, classes)
+        store = fed.initial_states(self.client, self.models)
         self.transport = InMemoryTransport(
-            self.client,
-            dict(sorted(store.items())),
-            self.groups,
-            self.group,
-            data,
-            self.models,
-            self.reference,
+            self.client, store, self.groups, self.group, data, self.models, self.reference
         )
         # decentralized algorithms: no server, gossip over a graph (runtime/gossip.py)
-        decentralized = self.algorithm.kind == "decentralized"
-        self.gossip = Gossip(self.hp, cfg.clients.count, cfg.seed) if decentralized else None
-        self.driver = RoundDriver(
-            self.server,
-            self.transport,
-            num_clients=cfg.clients.count,
-            participation=cfg.participation,
-            seed=cfg.seed,
-            arch_of=self.arch_of,
-            order=[c for members in self.groups.values() for c in members],
-            gossip=self.gossip,
-            groups=list(self.groups.values()),
-            validate=cfg.partition.val_fraction > 0,
-            scores=self.algorithm.scored_model(self.hp),
-        )
+        self.driver = fed.driver(self.server, self.transport)
+        self.gossip = self.driver.gossip
         self.bytes_join = sum(payload_bytes(p) for p in self.joins.values())
         self.driver.totals["bytes_up"] += self.bytes_join
         per_round = max(1, round(cfg.participation * cfg.clients.count))
@@ -378,16 +250,7 @@ class Simulation:
 
     def group(self, name: str, cids: list[int], rnd: int) -> ClientGroup:
         """The ClientGroup of ``cids`` (all of architecture ``name``) in round ``rnd``."""
-        return ClientGroup(
-            self.models[name],
-            cids,
-            self.data,
-            rnd,
-            self.cfg.seed,
-            self.sgd,
-            self.vectorize,
-            self.reference,
-        )
+        return self.federation.group(self.models[name], cids, self.data, rnd)
 
     def states(self, cids: list[int]) -> dict[str, Tensor]:
         """The stored client state of ``cids``, stacked."""
@@ -479,23 +342,17 @@ class Simulation:
 
 def worker_chunks(cfg: ExperimentConfig, data: FederatedData) -> ChunkFn:
     """A worker process's side of ``local.workers``: the client role, models and groups built
-    as :class:`Simulation` builds them (on the CPU), running ``Client.fit`` on chunks."""
-    device = torch.device("cpu")
-    algorithm = get_algorithm(cfg.algorithm.name)
-    sgd = resolve_sgd(cfg, algorithm.local_defaults)
-    models = build_models(cfg, data.input_shape, data.num_classes, device)
-    torch.manual_seed(cfg.seed)
-    ctx = ClientContext(cfg.seed, device, data.num_classes, data.input_shape)
-    client = algorithm.client(cfg.hparams(), ctx)
-    arch_of = cfg.clients.assignment(cfg.seed)
-    for cid, a in enumerate(arch_of):  # as the main process does (a role may note what it sees)
-        client.join(models[a], data.train_sizes[cid])
-    vectorize, reference = execution_path(cfg, device)
+    by the same :class:`Federation` as the main process's (on the CPU), running ``Client.fit``
+    on chunks."""
+    fed = Federation(cfg, torch.device("cpu"))
+    models = fed.models(data.input_shape, data.num_classes)
+    client = fed.client_role(data.input_shape, data.num_classes)
+    fed.joins(client, models, data.train_sizes)  # as the main process (a role may note them)
 
     def make_group(name: str, cids: list[int], rnd: int) -> ClientGroup:
-        return ClientGroup(models[name], cids, data, rnd, cfg.seed, sgd, vectorize, reference)
+        return fed.group(models[name], cids, data, rnd)
 
-    return run_chunk(client.fit, make_group, use_channels_last(cfg, device))
+    return run_chunk(client.fit, make_group, fed.nhwc)
 
 
 def open_tensorboard(path: Path | None = None) -> Any:

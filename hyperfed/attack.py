@@ -1,5 +1,10 @@
 """Seed 000's iDLG experiment (Appendix C.8, Fig. 6): invert what one client uploads.
 
+An app (``hyperfed attack``): it runs a :class:`~hyperfed.runtime.simulate.Simulation` and
+asks its round driver for the attacked client's exchange
+(:meth:`~hyperfed.runtime.driver.RoundDriver.train_exchange`: the reply validated as in every
+round); the inversion itself is :mod:`hyperfed.privacy.inversion`.
+
 The server is the attacker. In round ``R`` it sends client ``c`` its model, as the method
 does, and receives the client's reply. Two kinds of target are inverted with
 :func:`~hyperfed.privacy.inversion.invert_gradient`:
@@ -39,7 +44,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hyperfed.config import ExperimentConfig
+from hyperfed.config import ExperimentConfig, to_toml
+from hyperfed.engine.codec import decode_update
 from hyperfed.errors import HyperfedError
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.privacy.inversion import (
@@ -50,6 +56,7 @@ from hyperfed.privacy.inversion import (
     psnr_of_mse,
     starting_point,
 )
+from hyperfed.runtime.simulate import Simulation
 
 
 class AttackError(HyperfedError, ValueError):
@@ -117,9 +124,6 @@ def run_attack(
     round-``round_`` upload and ``images`` of its training images' gradients.
 
     ``progress(label, total)`` returns a callback advanced once per step (a progress bar)."""
-    from hyperfed.engine.codec import decode_update
-    from hyperfed.runtime.simulate import Simulation
-
     if not 0 <= client < cfg.clients.count:
         raise AttackError(f"--client {client}: there are {cfg.clients.count} clients (0..)")
     if images < 0 or round_ < 1 or iters < 1:
@@ -137,10 +141,16 @@ def run_attack(
             sim.run_round(rnd)
             advance()
 
-    msg = sim.server.configure_train(round_, [client])[client]
-    state = dict(sim.store[client])
-    replies = sim.transport.fit(round_, {client: msg}).replies
-    reply = replies[client]
+    state = dict(sim.store[client])  # what the client held before this round
+    # the round's exchange with this client alone, validated as in every round (not aggregated)
+    exchange = sim.driver.train_exchange(round_, [client])
+    msg = exchange.msgs[client]
+    if client not in exchange.accepted:
+        raise AttackError(
+            f"client {client}'s round-{round_} reply was rejected by the server's validation "
+            "(see the warning above); there is no upload to attack"
+        )
+    reply = exchange.accepted[client]
     updates = uploaded_updates(sim.server.model_updates(), msg, reply)
     if not updates:
         raise AttackError(
@@ -280,8 +290,6 @@ def save_report(report: AttackReport, out: Path, cfg: ExperimentConfig) -> list[
     """``config.toml`` (the resolved experiment), ``attack.json`` and ``attack.png`` (top:
     the image each reconstruction is compared to; bottom: the reconstruction) in ``out``."""
     import matplotlib
-
-    from hyperfed.config import to_toml
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
