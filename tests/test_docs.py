@@ -2,7 +2,8 @@
 
 It stays short, its relative links resolve on GitHub, and the two parts it shares with the
 site (the quick start, the methods table) are the same text in both places, so neither can
-drift. The methods table names every built-in algorithm and nothing else.
+drift. The methods table names every built-in algorithm and nothing else. CONTRIBUTING.md's
+layer table covers tests/test_layers.py's layers, and the files and line count it names exist.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hyperfed.algorithms.base import Algorithm
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+CONTRIBUTING = ROOT / "CONTRIBUTING.md"
 MAX_README_LINES = 250  # issue 38: what it is, install, commands, results teaser, methods, links
 
 
@@ -100,6 +102,48 @@ def test_the_methods_table_names_every_builtin_algorithm() -> None:
     builtin = _builtin_algorithms()
     assert builtin - listed == set(), f"missing from the methods table: {sorted(builtin - listed)}"
     assert listed - builtin == set(), f"not an algorithm: {sorted(listed - builtin)}"
+
+
+def _layer_table() -> str:
+    return "\n".join(_first_table(_section(CONTRIBUTING.read_text(), "## The layers")))
+
+
+def test_contributing_s_layer_table_names_every_layer_of_test_layers() -> None:
+    from test_layers import LAYERS
+
+    table = _layer_table()
+    missing = []
+    for _, prefixes in LAYERS:
+        for prefix in prefixes:
+            rel = prefix.removeprefix("hyperfed.").replace(".", "/")
+            inside = rel.split("/", 1)[-1]  # `engine/` (`codec.py`) names hyperfed/engine/codec.py
+            if not any(f"`{n}`" in table for n in (f"{rel}.py", f"{rel}/", f"{inside}.py")):
+                missing.append(prefix)
+    assert not missing, f"CONTRIBUTING.md's layer table lacks {missing}"
+
+
+def test_contributing_names_files_that_exist() -> None:
+    text = CONTRIBUTING.read_text()
+    files = {
+        str(f.relative_to(ROOT))
+        for top in ("hyperfed", "tests", "benchmarks")
+        for f in (ROOT / top).glob("**/*.py")
+    }
+    dirs = {str(d.relative_to(ROOT / "hyperfed")) + "/" for d in (ROOT / "hyperfed").glob("**/")}
+    dirs |= {d.name + "/" for d in ROOT.iterdir() if d.is_dir()}
+    gone = []
+    for name in set(re.findall(r"`([\w/.]+(?:\.py|/))`", text)):
+        if "my_method" in name or name.startswith("."):
+            continue
+        if not any(f == name or f.endswith("/" + name) for f in files) and name not in dirs:
+            gone.append(name)
+    assert not gone, f"CONTRIBUTING.md names files that do not exist: {sorted(gone)}"
+    m = re.search(r"`fedper\.py` is the model\s+\((\d+) lines\)", text)
+    assert m, "CONTRIBUTING.md no longer gives fedper.py's length"
+    lines = len((ROOT / "hyperfed" / "algorithms" / "fedper.py").read_text().splitlines())
+    assert int(m.group(1)) == lines, (
+        f"fedper.py has {lines} lines, CONTRIBUTING.md says {m.group(1)}"
+    )
 
 
 def test_the_helpers_see_a_difference() -> None:
