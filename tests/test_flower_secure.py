@@ -245,14 +245,17 @@ def test_secure_loopback_runs_like_the_simulator_and_refuses_intruders(tmp_path,
     deployments.append(d)
     d.start()
     assert len(d.node_ids) == 2  # the two registered keys
-    # an intruder that claims client 0 with a key nobody registered, and a machine that holds
-    # client 1's registered key but was never given ca.crt
+    # intruders: one claims client 0 with a key nobody registered; one has no key and asks
+    # to register itself (what every SuperNode without a key does, and is let in when the
+    # SuperLink does not authenticate nodes); one holds client 1's registered key but was
+    # never given ca.crt
     rogue_key = make_node_key(tmp_path / "rogue")
     rogue = d.spawn_supernode(0, name="rogue", private_key=rogue_key)
+    keyless = d.spawn_supernode(0, name="keyless")
     no_ca = d.spawn_supernode(1, name="no-ca", private_key=material.node_keys[1], trust_ca=False)
-    # both are refused and give up (were they let in, they would wait for messages instead)
-    assert rogue.popen.wait(timeout=120) != 0, d.logs()
-    assert no_ca.popen.wait(timeout=120) != 0, d.logs()
+    # all are refused and give up (were they let in, they would wait for messages instead)
+    for intruder in (rogue, keyless, no_ca):
+        assert intruder.popen.wait(timeout=120) != 0, d.logs()
 
     status = d.wait(d.submit(), timeout=900)
     assert status == "finished:completed", d.logs()
@@ -261,8 +264,9 @@ def test_secure_loopback_runs_like_the_simulator_and_refuses_intruders(tmp_path,
     assert "No SuperNode found with the given public key" in link
     assert _public_pem(rogue_key) in link  # that key, logged
     assert "Failed to activate SuperNode" in rogue.log.read_text()
+    assert "All SuperNodes must be registered via the CLI" in keyless.log.read_text()
     assert "CERTIFICATE_VERIFY_FAILED" in no_ca.log.read_text()
-    for intruder in (rogue, no_ca):  # never got a message
+    for intruder in (rogue, keyless, no_ca):  # never got a message
         assert "Receiving" not in intruder.log.read_text()
 
     run = tmp_path / "run"
