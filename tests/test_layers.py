@@ -249,3 +249,42 @@ def test_the_checker_sees_an_upward_edge(tmp_path: Path) -> None:
     src.write_text("def f():\n    from hyperfed.runtime.simulate import Simulation\n")
     assert _imports(src, set(_modules())) == {"hyperfed.runtime.simulate"}
     assert _layer("hyperfed.runtime.simulate") > _layer("hyperfed.algorithms.fedavg")
+
+
+# -- who plays a round ----------------------------------------------------------------------------
+# Issue 38: the round driver is the one caller of a server's exchange hooks (the methods and
+# the components they compose call them on the roles they wrap); an app that plays part of a
+# round by hand would skip the driver's reply validation.
+SERVER_EXCHANGE_HOOKS = {
+    "configure_train",
+    "configure_eval",
+    "configure_setup",
+    "configure_eval_request",
+    "aggregate",
+    "aggregate_setup",
+}
+MAY_CALL_EXCHANGE_HOOKS = ("hyperfed.runtime.driver", "hyperfed.algorithms", "hyperfed.distill")
+
+
+def _exchange_hook_calls(source: str) -> set[str]:
+    """The server exchange hooks ``source`` calls as ``<anything>.<hook>(...)``."""
+    return {
+        node.func.attr
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in SERVER_EXCHANGE_HOOKS
+    }
+
+
+def test_only_the_driver_and_the_methods_call_a_servers_exchange_hooks() -> None:
+    offenders = {
+        module: sorted(calls)
+        for module, path in _modules().items()
+        if not any(module == p or module.startswith(p + ".") for p in MAY_CALL_EXCHANGE_HOOKS)
+        and (calls := _exchange_hook_calls(path.read_text()))
+    }
+    assert not offenders, f"exchange hooks called outside the round driver: {offenders}"
+    # the check sees a half round played by hand (what the attack app did before issue 38)
+    hand = "msgs = sim.server.configure_train(1, [c])\nsim.server.aggregate(1, replies)\n"
+    assert _exchange_hook_calls(hand) == {"configure_train", "aggregate"}
