@@ -47,7 +47,7 @@ PLATEAU_WINDOW = 0.1
 PLATEAU_POINTS = 0.5
 
 
-# The metric and the two per-row labels, defined once (report.md, reproduce.md, README).
+# The metric and the two per-row labels, defined once (report.md, reproduce.md, docs/runs.md).
 METRIC_NOTE = (
     "Mean acc (final) is the mean over all clients of each client's test accuracy on its own "
     "test split at the last evaluated round (weighted: the same, weighted by test samples); "

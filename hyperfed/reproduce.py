@@ -263,7 +263,7 @@ TARGETS: dict[str, Target] = {
             ("local", "dfedavg", "dfedalt", "dispfl", "dfedhp"),
             ("dfedhp",),
             # 2.5x the config's 40 rounds (~4 min a run on 2 cores); DFedAvg and DisPFL still
-            # rise ~0.5 points per 10 rounds there in some seeds (README: "not converged")
+            # rise ~0.5 points per 10 rounds there in some seeds (docs/results.md: "not converged")
             cpu=("rounds=100",),
             paper={
                 "local": 61.54,

@@ -465,7 +465,7 @@ def forward_hooks(wrapper: type, attr: str, inner: type) -> list[str]:
 
 # What a method's evaluation scores on each client's own test split (``Algorithm.scores``): every
 # metrics record, summary and table names it per row, so rows scored differently are not ranked
-# as if they were the same measurement. (README "Metrics" defines the accuracy itself.)
+# as if they were the same measurement. (docs/runs.md, "The metrics record", defines the accuracy itself.)
 SCORED_MODELS = {
     "global": "one global model (one per architecture) on every client's test split",
     "personalized": "each client's own personalized model (personal parts, generated or mixed)",

@@ -84,7 +84,7 @@ class DFedHPParams(GossipParams):
     # has the standard deviation of the model's own initialization; "residual": theta0_body +
     # h(phi, z) with W2 = b2 = 0 at start (round 1 = the baselines' initial model). Validation
     # split, digits, 6 MLP clients, 10 rounds, seeds 0-2: literal 0.829 / 0.849 / 0.823, residual
-    # 0.656 / 0.698 / 0.676 (the README's FMNIST runs used residual, set in their configs)
+    # 0.656 / 0.698 / 0.676 (docs/results.md's FMNIST runs used residual, set in their configs)
     generation: str = paper("literal", "seed 004 Eq. 2; chosen over residual on validation")
     # "per_device": each client draws its own phi^0, z^0 (Alg. 1 line 3, "initialize each device
     # at random"); "shared": one seeded draw for all (a common start, as DFedAvg's theta^0).

@@ -8,7 +8,7 @@ theta_i with -Delta theta_i as the output gradient and steps phi and v_i with Ad
 generated theta_i moves *toward* theta~_i (the sign pFedHN's reference code uses; Alg. 1
 prints the opposite). ``hn_update="mean"`` (default) takes one Adam step per round on the
 mean of the clients' update gradients; ``"sequential"`` steps once per client, as Alg. 1 is
-printed. Every README table ran ``"mean"``, chosen on the validation split (issue 20):
+printed. Every table of docs/results.md ran ``"mean"``, chosen on the validation split (issue 20):
 ``hyperfed run --config configs/seed000/fmnist_homo.toml --set algorithm.name=mh_pfedhn
 --set dataset.subsample=3000 --set rounds=8 --set eval_every=2 --set
 partition.val_fraction=0.15 --set algorithm.hn_update=mean|sequential --set seed=S`` (50
@@ -32,7 +32,7 @@ coefficients"): CIFAR-100 T=15 / lambda=0.01, Tiny-ImageNet 24 / 0.2, EMNIST 10 
 ``(1 - kd_lambda) * CE + kd_lambda * KL`` (this code's default before issue 20; with 0.01
 it makes GD nearly G). Eq. 8's L_KL is the plain KL; ``kd_t2=True`` multiplies it by T^2
 as in Hinton et al. (100x at T = 10), which scored lower on the validation split of the
-data-poor Fashion-MNIST config (README, "Results").
+data-poor Fashion-MNIST config (docs/results.md).
 
 One exchange per round: the server sends w_g and theta_i together, so theta_i is generated
 before that round's global-model update (Alg. 2 generates it after); the global update

@@ -23,11 +23,11 @@ network every iteration after the first, as DM (Zhao & Bilen) does.
 
 Privacy: started from real samples (``distill_init = "auto"`` without DP), S_i stays close to
 the client's images and, for a class the client holds at most ``ipc`` samples of, *is* those
-images (zero DM loss); ``hyperfed attack`` measures it (README "Privacy"). DP starts from noise.
+images (zero DM loss); ``hyperfed attack`` measures it (docs/privacy.md). DP starts from noise.
 
 **DP (Table 6).** §4.6 runs "differential privacy (Abadi et al., 2016) ... when generating
 synthetic data" and gives no sigma, epsilon, clipping norm or delta (so ``dp_noise = 1.0`` in
-our configs and README is our choice, not the paper's). Two mechanisms, ``dp_mechanism``:
+our configs and docs/results.md is our choice, not the paper's). Two mechanisms, ``dp_mechanism``:
 
 * ``"dp_sgd"`` (default, the paper's citation): DP-SGD on the synthetic images. At every one of
   the T iterations each real sample's gradient (its term of L_DM + lambda_CC L_CC w.r.t. S_i,

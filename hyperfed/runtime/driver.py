@@ -48,7 +48,7 @@ log = logging.getLogger("hyperfed")
 
 # Every metrics record has these keys (plus ``val_mean_acc`` when the clients hold a
 # validation split, ``mean_acc_<group>`` for a method's named client subsets, ``bytes_payload`` / ``active_neighbors`` / ``spectral_gap_round`` for gossip, and
-# ``setup`` / ``setup_seconds`` after a setup phase). README "Metrics" documents each.
+# ``setup`` / ``setup_seconds`` after a setup phase). docs/runs.md ("The metrics record") documents each.
 RECORD_KEYS = (
     "round",
     "scores",
