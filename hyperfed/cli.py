@@ -508,6 +508,10 @@ def reproduce(
         t = get_target(target)
         chosen = chosen_methods(t, methods)
         config, sets = sweep_args(t, scale, configs)
+        if tuned:
+            from hyperfed.tune import require_optuna
+
+            require_optuna()  # before the default sweep, not after it
         folder = out / f"{t.key.replace(':', '-')}-{scale}"
         with progress_with_last(t.key, eta=False) as progress:
             task = progress.add_task("runs", total=None, last="")

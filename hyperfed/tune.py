@@ -207,6 +207,13 @@ def _worker(
         study.optimize(_objective(request, space), n_trials=quota)
 
 
+def require_optuna() -> None:
+    """A one-line TuneError where Optuna (the ``tune`` extra; `make run` does not install it)
+    is missing: called before any work, by ``tune`` and by ``reproduce --tuned``."""
+    if importlib.util.find_spec("optuna") is None:
+        raise TuneError("tuning needs Optuna, which is not installed; pip install 'hyperfed[tune]'")
+
+
 def tune(
     folder: Path,
     request: TuneRequest,
@@ -215,8 +222,7 @@ def tune(
 ) -> dict[str, Any]:
     """Run (or resume) the study in ``folder`` until it holds ``request.trials`` finished
     trials; write ``best.toml``, ``trials.json`` and the plots. Returns the best values."""
-    if importlib.util.find_spec("optuna") is None:  # an extra: `make run` does not install it
-        raise TuneError("tuning needs Optuna, which is not installed; pip install 'hyperfed[tune]'")
+    require_optuna()
     if request.trials < 1:
         raise TuneError(f"--trials {request.trials}: need at least 1")
     if parallel < 1:

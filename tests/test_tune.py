@@ -115,6 +115,20 @@ def test_without_optuna_tuning_fails_in_one_line_naming_the_extra(
     with pytest.raises(TuneError, match=r"pip install 'hyperfed\[tune\]'"):
         tune(tmp_path / "s", TuneRequest(None, TINY, trials=1))
     assert not (tmp_path / "s").exists()
+    # reproduce --tuned says so before its default sweep, not after it
+    from typer.testing import CliRunner
+
+    import hyperfed.sweep
+    from hyperfed.cli import app
+
+    def no_sweep(*a: object, **kw: object) -> None:
+        raise AssertionError("the default sweep ran before the missing extra was named")
+
+    monkeypatch.setattr(hyperfed.sweep, "run_sweep", no_sweep)
+    out = tmp_path / "r"
+    result = CliRunner().invoke(app, ["reproduce", "004:table1", "--tuned", "--out", str(out)])
+    assert result.exit_code != 0 and "pip install 'hyperfed[tune]'" in result.output
+    assert not out.exists()
 
 
 def test_reproduce_tuned_gives_every_method_the_same_trials_and_runs_its_best(
