@@ -405,6 +405,11 @@ def compare(
         elif stalled := [m for m in (a, b) if not by_name[m]["converged"]]:
             # a ranking counts only between rows that converged in the rounds given
             verdict = "not converged: " + ", ".join(stalled)
+        elif abs(by_name[a]["mean"] - by_name[b]["mean"]) <= max(
+            by_name[a]["std"], by_name[b]["std"]
+        ):
+            # a gap no larger than a row's own spread over seeds orders nothing
+            verdict = "inconclusive (within the seeds' spread)"
         else:
             verdict = "holds" if by_name[a]["mean"] > by_name[b]["mean"] else "does not hold"
         checks.append({"claim": f"{a} > {b}", "verdict": verdict})
@@ -481,7 +486,8 @@ def _table(target: Target, result: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"Orderings the paper claims: {held} of {len(result['checks'])} hold here "
-        f"({judged} judged between converged rows).",
+        f"({judged} judged: between converged rows on one protocol, apart by more than "
+        "either row's std over seeds; the rest are marked).",
         "",
     ]
     lines += ["| the paper reports | here |", "|---|---|"]
