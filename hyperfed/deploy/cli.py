@@ -91,17 +91,40 @@ def local(
     ] = None,
     quiet: QuietOpt = False,
     secure: SecureOpt = False,
+    clientapp: Annotated[
+        str,
+        typer.Option(
+            help="long-lived: one ClientApp process per SuperNode for the whole run "
+            "(--isolation process; the client is built once); per-message: Flower's fresh "
+            "flwr-clientapp process per message (--isolation subprocess)."
+        ),
+    ] = "long-lived",
 ) -> None:
     """Loopback deployment on this machine: one flower-superlink and N flower-supernode
-    processes on 127.0.0.1, `flwr run` of the app, then every process is stopped. --secure:
-    over TLS, and only the N SuperNodes' registered keys may connect."""
+    processes on 127.0.0.1 (each with its long-lived ClientApp process), `flwr run` of the
+    app, then every process is stopped. --secure: over TLS, and only the N SuperNodes'
+    registered keys may connect."""
     _need_flower()
     cfg = _load(config, set_)
     n = cfg.clients.count if nodes is None else nodes
     if not 1 <= n <= cfg.clients.count:
         fail(f"--nodes {n}: must be between 1 and clients.count={cfg.clients.count}")
+    if clientapp not in ("long-lived", "per-message"):
+        fail(f"--clientapp {clientapp}: must be long-lived or per-message")
     per_node = max(1, (os.cpu_count() or 1) // n)
-    _launch(cfg, out, n, threads or per_node, timeout, round_timeout, quiet, resume, None, secure)
+    _launch(
+        cfg,
+        out,
+        n,
+        threads or per_node,
+        timeout,
+        round_timeout,
+        quiet,
+        resume,
+        None,
+        secure,
+        clientapp,
+    )
 
 
 @flower_cli.command()
@@ -149,6 +172,7 @@ def _launch(  # type: ignore[no-untyped-def]
     resume: bool,
     simulated,
     secure: bool = False,
+    clientapp: str = "long-lived",
 ) -> None:
     from hyperfed.deploy.launch import DeployError, LocalDeployment
 
@@ -174,6 +198,7 @@ def _launch(  # type: ignore[no-untyped-def]
         simulated=simulated,
         resume=resume,
         secure=material,
+        clientapp=clientapp,
     )
     t0 = time.perf_counter()
     # SIGTERM stops the SuperLink and SuperNodes as Ctrl-C does (the context manager's exit)

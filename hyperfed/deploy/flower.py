@@ -17,9 +17,12 @@ payloads (dicts of named tensors) as in the simulator, serialized into Flower re
 A client's data partition comes from its node config (``partition-id``, ``num-partitions``),
 and the node builds its client as the simulator does (:class:`hyperfed.runtime.federation.
 Federation`, which the server uses too), so node ``i`` trains on exactly the simulator's client
-``i`` from the simulator's initial state. Each message may run in a fresh ClientApp process;
-the client's state (BatchNorm statistics, personal layers, ...) is kept in ``context.state``
-between rounds.
+``i`` from the simulator's initial state. A long-lived ClientApp process
+(``flower-supernode --isolation process`` with :mod:`hyperfed.deploy.clientapp`, what
+``hyperfed flower local`` starts) builds the client once per run and keeps it between messages;
+with ``--isolation subprocess`` each message runs in a fresh process that rebuilds it. Either
+way the client's state (BatchNorm statistics, personal layers, ...) is kept in
+``context.state`` between rounds (the SuperNode holds it), never in the cached client.
 
 The run config (``[tool.flwr.app.config]`` of the app, see ``hyperfed.deploy.launch``): every
 experiment setting as its own key (``rounds``, ``algorithm.name``, ``local.lr``, ...; ``flwr
@@ -323,22 +326,31 @@ class ClientRuntime:
         return {"correct": float(ok[0]), "total": float(total[0]), "loss_sum": float(loss[0])}
 
 
-_RUNTIMES: dict[tuple[int, int], ClientRuntime] = {}  # (run id, node id), one per process
+# The clients this process built, by (run id, partition id, num-partitions): a long-lived
+# ClientApp process (``hyperfed.deploy.clientapp``) builds its client once per run and reuses
+# it for every message; one of another run is dropped when a new run's first message comes.
+_RUNTIMES: dict[tuple[int, int, int], ClientRuntime] = {}
+BUILD_LOG_ENV = "HYPERFED_BUILD_LOG"  # a file: one line per client built (pid, run, client)
 
 
 def _runtime(context: Context) -> ClientRuntime:
-    key = (context.run_id, context.node_id)
-    if key not in _RUNTIMES:
-        nc = context.node_config
-        if "partition-id" not in nc or "num-partitions" not in nc:
-            raise ConfigError(
-                "node config needs partition-id and num-partitions, e.g. flower-supernode "
-                "--node-config 'partition-id=0 num-partitions=10'"
-            )
-        cfg = config_from_run_config(dict(context.run_config))
-        _RUNTIMES[key] = ClientRuntime.build(
-            cfg, int(nc["partition-id"]), int(nc["num-partitions"])
+    nc = context.node_config
+    if "partition-id" not in nc or "num-partitions" not in nc:
+        raise ConfigError(
+            "node config needs partition-id and num-partitions, e.g. flower-supernode "
+            "--node-config 'partition-id=0 num-partitions=10'"
         )
+    key = (int(context.run_id), int(nc["partition-id"]), int(nc["num-partitions"]))
+    if key not in _RUNTIMES:
+        for old in [k for k in _RUNTIMES if k[0] != key[0]]:
+            del _RUNTIMES[old]  # a finished run's client: its state lives on in its context
+        cfg = config_from_run_config(dict(context.run_config))
+        _RUNTIMES[key] = ClientRuntime.build(cfg, key[1], key[2])
+        built = os.environ.get(BUILD_LOG_ENV)
+        if built:  # one short line per build, appended (atomic for concurrent processes)
+            line = json.dumps({"pid": os.getpid(), "run": key[0], "client": key[1]})
+            with open(built, "a") as f:
+                f.write(line + "\n")
     return _RUNTIMES[key]
 
 

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 SERVERAPP = "hyperfed.deploy.flower:server_app"
 CLIENTAPP = "hyperfed.deploy.flower:client_app"
 CONNECTION = "hyperfed-local"  # the SuperLink connection name written for `flwr run`
+# how a SuperNode runs its ClientApp: one long-lived hyperfed.deploy.clientapp process beside
+# it (`--isolation process`), or Flower's fresh flwr-clientapp process per message
+LONG_LIVED, PER_MESSAGE = "long-lived", "per-message"
+CLIENTAPP_MODES = (LONG_LIVED, PER_MESSAGE)
 
 # Flower asks for these to be off on machines without internet access, and the SuperLink would
 # otherwise `uv sync` the app's dependencies (pulling a CUDA torch) before every run.
@@ -231,10 +235,15 @@ def supernode_command(
     insecure: bool = True,
     root_certificates: Path | None = None,
     private_key: Path | None = None,
+    clientapp: str = LONG_LIVED,
 ) -> list[str]:
-    """A SuperNode serving client ``partition_id``. ``insecure=False``: TLS, trusting
-    ``root_certificates`` (None: the system's CAs), signing its requests with
-    ``private_key`` (SuperNode authentication) when one is given."""
+    """A SuperNode serving client ``partition_id``, its Runtime API on ``port``.
+    ``insecure=False``: TLS, trusting ``root_certificates`` (None: the system's CAs), signing
+    its requests with ``private_key`` (SuperNode authentication) when one is given.
+    ``clientapp``: ``long-lived`` (``--isolation process``: :func:`clientapp_command` runs
+    its ClientApp) or ``per-message`` (Flower starts a ``flwr-clientapp`` per message)."""
+    if clientapp not in CLIENTAPP_MODES:
+        raise ValueError(f"clientapp={clientapp!r}: must be one of {', '.join(CLIENTAPP_MODES)}")
     if insecure:
         security = ["--insecure"]
     else:
@@ -252,6 +261,22 @@ def supernode_command(
         str(port),
         "--node-config",
         f"partition-id={partition_id} num-partitions={num_partitions}",
+        "--isolation",
+        "process" if clientapp == LONG_LIVED else "subprocess",
+    ]
+
+
+def clientapp_command(port: int, parent_pid: int | None = None) -> list[str]:
+    """The long-lived ClientApp process of the SuperNode whose Runtime API is on ``port``
+    (:mod:`hyperfed.deploy.clientapp`); it stops when ``parent_pid`` is gone."""
+    parent = [] if parent_pid is None else ["--parent-pid", str(parent_pid)]
+    return [
+        sys.executable,
+        "-m",
+        "hyperfed.deploy.clientapp",
+        "--runtime-api-address",
+        f"127.0.0.1:{port}",
+        *parent,
     ]
 
 
@@ -260,6 +285,9 @@ class Process:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    # processes that belong to this one (a SuperNode's long-lived ClientApp, in its own
+    # process group): stopped and killed with it
+    members: list[Process] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -277,6 +305,10 @@ class Process:
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM to the process group this process leads (it and the app processes it
         started), SIGKILL after ``grace`` seconds; only groups this module started."""
+        for member in self.members:
+            _signal_group(member.pid, signal.SIGTERM)
+        for member in self.members:
+            member.stop(grace)
         if self.popen.returncode is not None and not _group_alive(self.pid):
             return
         _signal_group(self.pid, signal.SIGTERM)
@@ -284,20 +316,25 @@ class Process:
             self.popen.wait(timeout=grace)
         deadline = time.monotonic() + grace
         while _group_alive(self.pid) and time.monotonic() < deadline:
+            self.popen.poll()
             time.sleep(0.1)
         _signal_group(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=grace)
         deadline = time.monotonic() + 10  # killed members may take a moment to be reaped
         while _group_alive(self.pid) and time.monotonic() < deadline:
+            self.popen.poll()
             time.sleep(0.05)
 
     def kill(self) -> None:
         """SIGKILL the process group at once (a crashed machine, for tests)."""
+        for member in self.members:
+            member.kill()
         _signal_group(self.pid, signal.SIGKILL)
         self.popen.wait(timeout=10)
         deadline = time.monotonic() + 10
         while _group_alive(self.pid) and time.monotonic() < deadline:
+            self.popen.poll()
             time.sleep(0.05)
 
 
@@ -353,6 +390,9 @@ class LocalDeployment:
     resume: bool = False
     # TLS + SuperNode authentication (hyperfed.deploy.secure): node i signs with node_keys[i]
     secure: SecureMaterial | None = None
+    # long-lived: one ClientApp process per SuperNode for the whole run (built client cached);
+    # per-message: Flower's flwr-clientapp process per message (any app; dependency install)
+    clientapp: str = LONG_LIVED
     processes: list[Process] = field(default_factory=list)
     supernodes: list[Process] = field(default_factory=list)
     node_ids: list[int] = field(default_factory=list)  # secure: the registered nodes' ids
@@ -363,6 +403,10 @@ class LocalDeployment:
         self.run_dir = Path(self.run_dir).resolve()
         self.app_dir = self.workdir / "app"
         self.cli_home = self.workdir / "flwr-cli"
+        if self.clientapp not in CLIENTAPP_MODES:
+            raise DeployError(
+                f"clientapp={self.clientapp!r}: must be one of {', '.join(CLIENTAPP_MODES)}"
+            )
 
     # -- processes --------------------------------------------------------------------------
     def env(self, home: Path) -> dict[str, str]:
@@ -372,12 +416,16 @@ class LocalDeployment:
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["OMP_NUM_THREADS"] = str(self.threads)
         env["MKL_NUM_THREADS"] = str(self.threads)
+        # every ClientApp process notes each client it builds (hyperfed.deploy.flower)
+        env["HYPERFED_BUILD_LOG"] = str(self.workdir / "logs" / "builds.jsonl")
         if self.simulated is not None and self.simulated.ray_address:
             env["RAY_ADDRESS"] = self.simulated.ray_address  # ray.init() attaches to it
         return env
 
-    def _spawn(self, name: str, cmd: list[str]) -> Process:
-        home = self.workdir / "homes" / name
+    def _spawn(self, name: str, cmd: list[str], owner: Process | None = None) -> Process:
+        """Start ``cmd`` (logs/<name>.log) in its own process group; with ``owner``, as a
+        member of that process (stopped and killed with it)."""
+        home = self.workdir / "homes" / (owner.name if owner is not None else name)
         home.mkdir(parents=True, exist_ok=True)
         log = self.workdir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -391,7 +439,10 @@ class LocalDeployment:
                 start_new_session=True,  # its own process group: stopped as one
             )
         proc = Process(name, popen, log)
-        self.processes.append(proc)
+        if owner is None:
+            self.processes.append(proc)
+        else:
+            owner.members.append(proc)
         return proc
 
     def start(self, ready_timeout: float = 60.0) -> None:
@@ -436,16 +487,23 @@ class LocalDeployment:
         ``superlink``: the address it dials (default the SuperLink's; e.g. a proxy)."""
         secure = self.secure is not None
         ca = self.secure.ca_cert if self.secure is not None and trust_ca else None
+        runtime_port = free_port()
         cmd = supernode_command(
             superlink or f"127.0.0.1:{self.port}",
             partition_id,
             self.num_partitions,
-            free_port(),
+            runtime_port,
             insecure=not secure,
             root_certificates=ca,
             private_key=private_key if secure else None,
+            clientapp=self.clientapp,
         )
-        return self._spawn(name or f"supernode-{partition_id}", cmd)
+        name = name or f"supernode-{partition_id}"
+        node = self._spawn(name, cmd)
+        if self.clientapp == LONG_LIVED:  # its ClientApp process, stopped with it
+            app = clientapp_command(runtime_port, parent_pid=node.pid)
+            self._spawn(f"{name}.clientapp", app, owner=node)  # logs/supernode-i.clientapp.log
+        return node
 
     def register(self, public_key: Path) -> int:
         """``flwr supernode register``: the SuperLink accepts the node holding this key;
@@ -462,11 +520,12 @@ class LocalDeployment:
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM to every process group started here, SIGKILL to those still alive
         after ``grace`` seconds."""
-        for proc in self.processes:
+        every = [p for proc in self.processes for p in (*proc.members, proc)]
+        for proc in every:
             _signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(_group_alive(p.pid) for p in self.processes):
-            for proc in self.processes:
+        while time.monotonic() < deadline and any(_group_alive(p.pid) for p in every):
+            for proc in every:
                 proc.popen.poll()  # reap, so that a finished leader leaves no zombie
             time.sleep(0.1)
         for proc in self.processes:
@@ -620,7 +679,11 @@ def remote_commands(
             else ":"
         ),
         f"flower-supernode {node_security} --superlink {superlink} "
-        f'--node-config "partition-id=$i num-partitions={nodes}"',
+        f'--node-config "partition-id=$i num-partitions={nodes}" '
+        "--isolation process --port 9094 &",
+        "# beside it, its long-lived ClientApp process (keeps the built client between rounds;",
+        "# for Flower's process per message instead: --isolation subprocess, and no line below)",
+        "python -m hyperfed.deploy.clientapp --runtime-api-address 127.0.0.1:9094",
         "",
         "# then start the run",
         f"flwr run {app_dir} hyperfed --stream",
