@@ -283,10 +283,12 @@ def test_run_completes_when_a_supernode_dies(cfg, tmp_path, deployments):
     run_id = d.submit()
     log = tmp_path / "run" / "server.log"
     deadline = time.monotonic() + 600
+    # kill within a moment of round 1 (a long-lived ClientApp makes a round take seconds:
+    # no `flwr list` in this loop, it can take longer than a round on a loaded machine)
     while "round 1:" not in (log.read_text() if log.exists() else ""):
         assert time.monotonic() < deadline, d.logs()
-        assert d.status(run_id) in ("", "pending", "starting", "running"), d.logs()
-        time.sleep(1)
+        assert d.processes[0].alive(), d.logs()
+        time.sleep(0.2)
     victim = d.supernodes[2]  # serves client 2
     victim.kill()  # SIGKILL to its process group: a crashed machine
     assert not _group_alive(victim.pid)
@@ -467,13 +469,13 @@ def test_a_killed_deployment_resumes_and_ends_as_an_uninterrupted_run(tmp_path, 
     cfg = load_config(None, [*FEDPER, "checkpoint_every=1"])
     expected = Simulation(cfg).run()
     d = _deploy(cfg, tmp_path, deployments)
-    run_id = d.submit()
+    d.submit()
     run = tmp_path / "run"
     deadline = time.monotonic() + 600
-    while not (run / "checkpoint.pt").exists():
+    while not (run / "checkpoint.pt").exists():  # no `flwr list` here: see above
         assert time.monotonic() < deadline, d.logs()
-        assert d.status(run_id) in ("", "pending", "starting", "running"), d.logs()
-        time.sleep(0.5)
+        assert d.processes[0].alive(), d.logs()
+        time.sleep(0.2)
     for proc in d.processes:  # the machines crash: SuperLink and every SuperNode
         proc.kill()
     again = LocalDeployment(
