@@ -72,7 +72,7 @@ __all__ = [
 
 
 # every method module, by name (imported last: a method module may import this package)
-from hyperfed.algorithms import (  # noqa: E402
+from hyperfed.algorithms import (  # noqa: E402, F401 (read back below, through globals())
     desa,
     dfedalt,
     dfedavg,
@@ -110,42 +110,14 @@ from hyperfed.algorithms import (  # noqa: E402
     pfedlhn,
 )
 
-METHOD_MODULES: tuple[types.ModuleType, ...] = (
-    desa,
-    dfedalt,
-    dfedavg,
-    dfedhp,
-    dispfl,
-    distilled_set,
-    ditto,
-    fd,
-    fedavg,
-    fedbn,
-    feddm,
-    fedfomo,
-    fedgh,
-    fedkd,
-    fedper,
-    fedphp,
-    fedproto,
-    fedrep,
-    fedrod,
-    fedtgp,
-    fml,
-    hypcluster,
-    lg_fedavg,
-    local,
-    mapper,
-    mh_pfedhn,
-    mh_pfedhndd,
-    moon,
-    partialfed,
-    pefll,
-    pfedes,
-    pfedhn,
-    pfedkt,
-    pfedla,
-    pfedlhn,
+# the modules of the import list above, in its order (one list to edit when adding a method)
+METHOD_MODULES: tuple[types.ModuleType, ...] = tuple(
+    m
+    for m in dict(globals()).values()
+    if isinstance(m, types.ModuleType)
+    and m.__name__.startswith(__name__ + ".")
+    and m.__name__.count(".") == 2
+    and _in_module(m)
 )
 for _module in METHOD_MODULES:
     for _alg in _in_module(_module):
