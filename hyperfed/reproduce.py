@@ -345,10 +345,11 @@ def tuned_runs(
                 on_progress(i * (trials + 1) + done, len(methods) * (trials + 1), f"{m}: {line}")
 
         tune(study, request, parallel=parallel, on_progress=progress)
+        best = best_sets(study)
         result = run_sweep(
             folder / "tuned" / m,
             config=config,
-            sets=[f"algorithm.name={m}", *extra, *best_sets(study)],
+            sets=[f"algorithm.name={m}", *with_tuned(extra, best)],
             seeds=seeds,
             parallel=parallel,
         )
@@ -356,6 +357,13 @@ def tuned_runs(
         runs += sweep_runs([folder / "tuned" / m])
         progress(trials + 1, trials + 1, "tuned seeds done")
     return runs, failed
+
+
+def with_tuned(sets: list[str], tuned: list[str]) -> list[str]:
+    """The target's ``--set`` overrides with the tuned values in place of any the tuner chose
+    (000's CPU scale fixes ``local.lr=0.05``; its tuned rows run at the tuned lr)."""
+    chosen = {s.split("=", 1)[0] for s in tuned}
+    return [s for s in sets if s.split("=", 1)[0] not in chosen] + tuned
 
 
 def runs_method(methods: tuple[str, ...]) -> Callable[[SweepPoint], bool]:

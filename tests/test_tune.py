@@ -159,7 +159,10 @@ def test_reproduce_tuned_gives_every_method_the_same_trials_and_runs_its_best(
         'rounds = 2\n[dataset]\nname = "digits"\n[clients]\ncount = 3\n'
         'models = "mlp"\n[algorithm]\nname = "fedavg"\n'
     )
-    target = Target("9:t", "toy", "tiny.toml", ("fedavg", "local"), ("local",), cpu=("rounds=2",))
+    # the target fixes the lr the tuner searches (as 000's CPU scale does): the tuned seeds must
+    # run at the tuned lr, given once (a repeated --set key stops the sweep)
+    cpu = ("rounds=2", "local.lr=0.5")
+    target = Target("9:t", "toy", "tiny.toml", ("fedavg", "local"), ("local",), cpu=cpu)
     _, failed = tuned_runs(target, "cpu", configs, tmp_path / "r", target.methods, [0, 1], 3)
     assert not failed
     for m in target.methods:
