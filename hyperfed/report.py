@@ -55,8 +55,9 @@ METRIC_NOTE = (
     "one (`by val`). *scores* is the model each method's evaluation scores: global (one "
     "global model), personalized (each client's own model) or local (each client's model "
     "after its latest local training). *plateau*: the mean accuracy over the last 10% of "
-    f"rounds rose by less than {PLATEAU_POINTS} points over the 10% before; a row marked "
-    "not converged (with that rise) is not ranked."
+    f"rounds rose by less than {PLATEAU_POINTS} points over the 10% before (for a row of "
+    "several seeds: its mean over seeds did); a row marked not converged (with that rise) is "
+    "not ranked."
 )
 
 
@@ -81,6 +82,14 @@ def plateau_gain(records: list[dict[str, Any]], window: float = PLATEAU_WINDOW) 
 def plateaued(gain: float | None, points: float = PLATEAU_POINTS) -> bool:
     """Whether a run whose last-window gain is ``gain`` counts as converged."""
     return gain is not None and gain < points
+
+
+def row_gain(gains: list[float | None]) -> float | None:
+    """The last-window gain of a row's seed-mean curve (the mean of its seeds' gains; None when
+    a seed has too few evaluations to tell)."""
+    if not gains or any(g is None for g in gains):
+        return None
+    return sum(g for g in gains if g is not None) / len(gains)
 
 
 def run_summary(path: str | Path) -> dict[str, Any]:
@@ -217,7 +226,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 def seed_table(groups: list[dict[str, Any]]) -> str:
     """Mean ± std over seeds (population std; n runs) of each group's final figures."""
     head = (
-        "| setting | scores | plateau (all seeds) | n (seeds) | mean acc (final) | weighted acc "
+        "| setting | scores | plateau (seed mean) | n (seeds) | mean acc (final) | weighted acc "
         "| best mean acc | "
         "upload MB total | GFLOPs/round (clients) |"
     )
@@ -239,8 +248,16 @@ def seed_table(groups: list[dict[str, Any]]) -> str:
         if best_by == {"val"}:
             cells[2] += " (val-chosen)"
         scored = "/".join(sorted({str(r.get("scores", "?")) for r in runs}))
-        stalled = [r for r in runs if not r.get("converged")]
-        plateau = "yes" if not stalled else f"not converged ({len(stalled)} of {len(runs)})"
+        # the seed-mean curve's rise, as in reproduce's rows
+        gain = row_gain([r.get("last_window_gain") for r in runs])
+        stalled = sum(not r.get("converged") for r in runs)
+        plateau = (
+            "yes"
+            if plateaued(gain)
+            else f"not converged ({stalled} of {len(runs)} rising"
+            + ("" if gain is None else f", mean {gain:+.2f}")
+            + ")"
+        )
         lines.append(
             f"| {g['label']} | {scored} | {plateau} | {len(runs)} ({', '.join(map(str, seeds))}) | "
             + " | ".join(cells)

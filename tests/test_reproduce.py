@@ -23,7 +23,7 @@ TOY = Target(
 
 
 def _summary(
-    method: str, acc: float, converged: bool = True, gain: float = 0.1
+    method: str, acc: float, converged: bool = True, gain: float | None = 0.1
 ) -> dict[str, object]:
     return {
         "algorithm": method,
@@ -56,8 +56,9 @@ def test_each_claim_is_judged_on_our_mean_over_seeds() -> None:
 
 
 def test_a_row_that_has_not_plateaued_is_not_ranked() -> None:
-    """One seed of c still rising by 2 points per window: c's row is "not converged" and no
-    ordering with c is judged, whatever the means say."""
+    """One seed of c still rising by 2 points per window: c's seed-mean curve rises 1.05
+    points, so c's row is "not converged" and no ordering with c is judged, whatever the
+    means say."""
     runs = [_summary("a", 0.60), _summary("c", 0.70), _summary("c", 0.72, False, 2.0)]
     result = compare(TOY, runs)
     c = next(r for r in result["rows"] if r["method"] == "c")
@@ -65,10 +66,22 @@ def test_a_row_that_has_not_plateaued_is_not_ranked() -> None:
     assert result["checks"] == [{"claim": "c > a", "verdict": "not converged: c"}]
     text = markdown(TOY, result, [0, 1])
     assert (
-        "| c | personalized | 71.00 ± 1.00 | not converged (1 of 2 seeds; mean +1.05 pts in the "
-        "last window)" in text
+        "| c | personalized | 71.00 ± 1.00 | not converged (1 of 2 seeds rising; mean +1.05 pts "
+        "in the last window)" in text
     )
     assert "0 of 1 hold here (0 judged: between converged rows on one protocol" in text
+
+
+def test_a_row_converges_on_its_seed_mean_curve() -> None:
+    """One seed's last window up 0.6 points, the other's down 0.4: the seed-mean curve rose
+    0.1 < 0.5, so the row has plateaued (a noisy seed alone does not stop the ranking); a row
+    with a seed too short to tell has not."""
+    runs = [_summary("a", 0.60), _summary("c", 0.70, False, 0.6), _summary("c", 0.72, True, -0.4)]
+    c = next(r for r in compare(TOY, runs)["rows"] if r["method"] == "c")
+    assert c["converged"] and c["gain"] == pytest.approx(0.1) and c["stalled"] == 1
+    assert compare(TOY, runs)["checks"] == [{"claim": "c > a", "verdict": "holds"}]
+    runs[2] = _summary("c", 0.72, False, None)
+    assert not next(r for r in compare(TOY, runs)["rows"] if r["method"] == "c")["converged"]
 
 
 def test_plateau_is_the_last_tenth_of_rounds_against_the_tenth_before() -> None:
