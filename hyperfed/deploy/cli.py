@@ -42,6 +42,13 @@ RoundTimeoutOpt = Annotated[
     float, typer.Option(help="Seconds the server waits for the replies of one round.")
 ]
 QuietOpt = Annotated[bool, typer.Option(help="No tables.")]
+ClientsPerNodeOpt = Annotated[
+    int,
+    typer.Option(
+        help="Clients each SuperNode serves (G): node k serves clients k*G .. k*G+G-1 and "
+        "trains them as one engine group; ceil(clients.count / G) nodes."
+    ),
+]
 SecureOpt = Annotated[
     bool,
     typer.Option(
@@ -80,8 +87,10 @@ def local(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     nodes: Annotated[
-        int | None, typer.Option(help="SuperNodes to start (default: clients.count).")
+        int | None,
+        typer.Option(help="SuperNodes to start (default: ceil(clients.count / clients-per-node))."),
     ] = None,
+    clients_per_node: ClientsPerNodeOpt = 1,
     out: OutOpt = None,
     resume: ResumeOpt = False,
     timeout: TimeoutOpt = 3600.0,
@@ -106,9 +115,11 @@ def local(
     registered keys may connect."""
     _need_flower()
     cfg = _load(config, set_)
-    n = cfg.clients.count if nodes is None else nodes
-    if not 1 <= n <= cfg.clients.count:
-        fail(f"--nodes {n}: must be between 1 and clients.count={cfg.clients.count}")
+    groups = _groups(cfg, clients_per_node)
+    n = groups if nodes is None else nodes
+    if not 1 <= n <= groups:
+        what = "clients.count" if clients_per_node == 1 else "ceil(clients.count / G)"
+        fail(f"--nodes {n}: must be between 1 and {what}={groups}")
     if clientapp not in ("long-lived", "per-message"):
         fail(f"--clientapp {clientapp}: must be long-lived or per-message")
     per_node = max(1, (os.cpu_count() or 1) // n)
@@ -124,7 +135,15 @@ def local(
         None,
         secure,
         clientapp,
+        clients_per_node,
     )
+
+
+def _groups(cfg, clients_per_node: int) -> int:  # type: ignore[no-untyped-def]
+    """How many nodes serve every client in groups of ``clients_per_node``."""
+    if clients_per_node < 1:
+        fail(f"--clients-per-node {clients_per_node}: must be >= 1")
+    return -(-cfg.clients.count // clients_per_node)
 
 
 @flower_cli.command()
@@ -144,10 +163,12 @@ def sim(
     timeout: TimeoutOpt = 3600.0,
     round_timeout: RoundTimeoutOpt = 600.0,
     quiet: QuietOpt = False,
+    clients_per_node: ClientsPerNodeOpt = 1,
 ) -> None:
-    """Flower's Simulation Engine (Ray): clients.count simulated SuperNodes run the same
-    ClientApp as a deployment, as Ray actors (on this machine or a Ray cluster); writes the
-    same run directory as `hyperfed run`. Needs: pip install 'hyperfed[simulation]'."""
+    """Flower's Simulation Engine (Ray): clients.count simulated SuperNodes (with
+    --clients-per-node G: ceil(clients.count / G), each serving G clients as one engine group)
+    run the same ClientApp as a deployment, as Ray actors (on this machine or a Ray cluster);
+    writes the same run directory as `hyperfed run`. Needs: pip install 'hyperfed[simulation]'."""
     from hyperfed.deploy.launch import Simulated
 
     _need_flower()
@@ -157,8 +178,19 @@ def sim(
     if cpus < 1 or gpus < 0:
         fail(f"--cpus {cpus} / --gpus {gpus}: need cpus >= 1 and gpus >= 0")
     simulated = Simulated(cpus, gpus, ray_address)
-    n = cfg.clients.count
-    _launch(cfg, out, n, threads, timeout, round_timeout, quiet, resume, simulated)
+    n = _groups(cfg, clients_per_node)
+    _launch(
+        cfg,
+        out,
+        n,
+        threads,
+        timeout,
+        round_timeout,
+        quiet,
+        resume,
+        simulated,
+        clients_per_node=clients_per_node,
+    )
 
 
 def _launch(  # type: ignore[no-untyped-def]
@@ -173,6 +205,7 @@ def _launch(  # type: ignore[no-untyped-def]
     simulated,
     secure: bool = False,
     clientapp: str = "long-lived",
+    clients_per_node: int = 1,
 ) -> None:
     from hyperfed.deploy.launch import DeployError, LocalDeployment
 
@@ -199,6 +232,7 @@ def _launch(  # type: ignore[no-untyped-def]
         resume=resume,
         secure=material,
         clientapp=clientapp,
+        clients_per_node=clients_per_node,
     )
     t0 = time.perf_counter()
     # SIGTERM stops the SuperLink and SuperNodes as Ctrl-C does (the context manager's exit)
@@ -207,6 +241,8 @@ def _launch(  # type: ignore[no-untyped-def]
         with deployment:
             if not quiet:
                 how = "SuperNodes" if simulated is None else "simulated SuperNodes (Ray)"
+                if clients_per_node > 1:
+                    how += f" of {clients_per_node} clients each"
                 if secure:
                     how += " (TLS, SuperNode authentication)"
                 console.print(
@@ -257,12 +293,14 @@ def app_(
         Path | None,
         typer.Option(help="Folder for --secure's files (default: <out>-secure, never in the app)."),
     ] = None,
+    clients_per_node: ClientsPerNodeOpt = 1,
 ) -> None:
     """Write the Flower app folder for a real multi-machine deployment and print the
     flower-superlink / flower-supernode / flwr run commands."""
     from hyperfed.deploy.launch import remote_commands, write_app
 
     cfg = _load(config, set_)
+    groups = _groups(cfg, clients_per_node)
     material = None
     if secure:
         from hyperfed.deploy.secure import make_material
@@ -274,7 +312,7 @@ def app_(
         if folder.resolve().is_relative_to(out.resolve()):
             # flwr run ships the app folder to the SuperLink and every node
             fail(f"--secure-dir {folder}: must not lie inside the app folder {out}")
-        material = make_material(folder, cfg.clients.count, hosts=[host])
+        material = make_material(folder, groups, hosts=[host])
     path = write_app(
         out,
         cfg,
@@ -282,6 +320,7 @@ def app_(
         min_nodes=min_nodes,
         join_timeout=join_timeout,
         round_timeout=round_timeout,
+        clients_per_node=clients_per_node,
     )
     console.print(f"wrote {path / 'pyproject.toml'}", highlight=False)
     if material is not None:
@@ -292,7 +331,7 @@ def app_(
         )
     console.print()
     console.print(
-        remote_commands(path, cfg.clients.count, superlink, material),
+        remote_commands(path, cfg.clients.count, superlink, material, clients_per_node),
         highlight=False,
         markup=False,
         soft_wrap=True,

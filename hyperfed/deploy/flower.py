@@ -5,11 +5,16 @@ payloads (dicts of named tensors) as in the simulator, serialized into Flower re
 (:func:`payload_to_record` / :func:`record_to_payload`, exact round trip). A run is
 
 1. ``query.join``  -> every node answers its client's ``Client.join`` payload and the
-   partition id it serves (its node config ``partition-id``); nothing else about it;
+   partition id it serves (its node config ``partition-id``); nothing else about it. A node
+   may serve several clients (node config ``partition-ids``, e.g. "0-9"; or a simulated
+   node's group of the run's ``clients-per-node``): it answers their ids and one join
+   payload each, and the server sends it messages for those clients only;
 2. ``query.setup`` -> setup stages, for algorithms that have one (MH-pFedHNDD);
 3. per round: ``train`` -> one message per sampled node holding *that* client's payload
-   (for MH-pFedHN its own theta_i), ``Grid.send_and_receive`` with a timeout, carrying on
-   with the replies that came back and passed ``Server.check_reply``;
+   (for MH-pFedHN its own theta_i; a node of several clients: each sampled client's payload
+   under ``payload.<client id>``, trained there as one engine group per architecture),
+   ``Grid.send_and_receive`` with a timeout, carrying on with the replies that came back and
+   passed ``Server.check_reply``;
 4. every ``eval_every`` rounds and at the end: ``evaluate`` -> each client's personalized
    model on its own test split; the server writes ``metrics.jsonl`` / ``summary.md`` into
    the run directory as the simulator does.
@@ -40,6 +45,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,12 +79,15 @@ from hyperfed.algorithms.base import (
 from hyperfed.config import ConfigError, ExperimentConfig, config_from_dict, to_toml
 from hyperfed.data.federated import FederatedData
 from hyperfed.deploy.launch import (
+    RC_CLIENTS_PER_NODE,
     RC_JOIN_TIMEOUT,
     RC_MIN_NODES,
     RC_RESUME,
     RC_ROUND_TIMEOUT,
     RC_RUN_DIR,
     experiment_from_run_config,
+    node_groups,
+    parse_partition_ids,
 )
 from hyperfed.engine.local import FlopMeter, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, channels_last
@@ -102,10 +111,12 @@ DTYPES = "dtypes"  # ConfigRecord: torch dtypes numpy cannot hold (bfloat16, ...
 CONFIG = "config"  # ConfigRecord: round / stage / client id / last checkpoint round
 WEIGHTS = "weights"  # ArrayRecord of a gossip message: this node's row of W
 METRICS = "metrics"  # MetricRecord: train loss, evaluation counts
-NODE = "node"  # ConfigRecord in the join reply: the partition id this node serves
+NODE = "node"  # ConfigRecord in the join reply: the partition id(s) this node serves
 STATE = "hyperfed.state"  # ArrayRecord in context.state: this client's persistent state
 SERVER_STATE = "server_state.pt"  # in the run directory: the server role's final state
 STATE_DIR_ENV = "HYPERFED_STATE_DIR"  # where nodes keep their client state of resumable runs
+# node config keys: one client (partition-id), or several (partition-ids: "0-9", "0,3,5")
+PARTITION_ID, PARTITION_IDS, NUM_PARTITIONS = "partition-id", "partition-ids", "num-partitions"
 
 # -- payload <-> Flower records -----------------------------------------------------------
 _BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
@@ -141,6 +152,18 @@ def record_to_payload(content: RecordDict, device: torch.device | str = "cpu") -
     return out
 
 
+# A message for several clients of one node (config ``client-ids``) holds each client's
+# records (payload, dtypes, weights, metrics) under ``<name>.<client id>``.
+def client_key(name: str, cid: int) -> str:
+    return f"{name}.{cid}"
+
+
+def client_view(content: RecordDict, cid: int) -> RecordDict:
+    """Client ``cid``'s records of a group message, under their one-client names."""
+    suffix = f".{cid}"
+    return RecordDict({k.removesuffix(suffix): v for k, v in content.items() if k.endswith(suffix)})
+
+
 def _state_record(state: dict[str, Tensor]) -> ArrayRecord:
     record = payload_to_record(state)
     if DTYPES in record:
@@ -159,63 +182,152 @@ def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
     return config_from_dict(experiment_from_run_config(run_config))
 
 
+def _check_node_config(node_config: Mapping[str, Any]) -> None:
+    if NUM_PARTITIONS not in node_config or (
+        PARTITION_IDS not in node_config and PARTITION_ID not in node_config
+    ):
+        raise ConfigError(
+            "node config needs partition-id (or partition-ids) and num-partitions, e.g. "
+            "flower-supernode --node-config 'partition-id=0 num-partitions=10'"
+        )
+
+
+def node_clients(
+    node_config: Mapping[str, Any], cfg: ExperimentConfig, clients_per_node: int = 1
+) -> list[int]:
+    """The client ids a node serves, from its node config: ``partition-ids`` (a list, e.g.
+    "0-9", "0,3,5", "0-4,9"; ``num-partitions`` must be ``clients.count``), or one
+    ``partition-id`` -- of ``clients.count`` partitions, or, with the run's
+    ``clients-per-node`` G, of ceil(clients.count / G) node groups (Flower's Simulation Engine
+    numbers its simulated nodes so): node ``k`` serves ``k*G .. k*G+G-1``."""
+    _check_node_config(node_config)
+    n = cfg.clients.count
+    m = _int(node_config[NUM_PARTITIONS])
+    if PARTITION_IDS in node_config:
+        if m != n:
+            raise ConfigError(
+                f"node config num-partitions={m} but clients.count={n}: every node must "
+                "split the data as the config does"
+            )
+        return parse_partition_ids(node_config[PARTITION_IDS], n)
+    cid = _int(node_config[PARTITION_ID])
+    groups = node_groups(n, clients_per_node) if clients_per_node > 1 else None
+    if m == n or groups is None or m != len(groups):
+        if m != n:
+            grouped = "" if groups is None else f" (nor {len(groups)} node groups)"
+            raise ConfigError(
+                f"node config num-partitions={m} but clients.count={n}{grouped}: every node "
+                "must split the data as the config does"
+            )
+        if not 0 <= cid < n:
+            raise ConfigError(f"node config partition-id={cid} not in [0, {n})")
+        return [cid]
+    if not 0 <= cid < m:
+        raise ConfigError(f"node config partition-id={cid} not in [0, {m})")
+    return groups[cid]
+
+
 @dataclass
 class ClientRuntime:
-    """One real client: the simulator's client ``cid`` as a group of one."""
+    """The clients a node serves (the simulator's clients ``cids``): one, or a group trained
+    as the simulator trains them, one engine group per architecture
+    (:meth:`Federation.group`), from the simulator's initial state."""
 
     cfg: ExperimentConfig
-    cid: int
+    cids: list[int]
     data: FederatedData
-    fm: FunctionalModel
+    fms: dict[str, FunctionalModel]  # the architectures of its clients
     client: Client
     federation: Federation
-    lost: bool = False  # its saved state was gone when a resumed run needed it
+    lost: set[int] = field(default_factory=set)  # clients whose saved state was gone
     run_keys: dict[str, str] = field(default_factory=dict)  # run-dir -> its state folder name
 
     @classmethod
-    def build(cls, cfg: ExperimentConfig, cid: int, num_partitions: int) -> ClientRuntime:
+    def build(
+        cls, cfg: ExperimentConfig, cid: int | Sequence[int], num_partitions: int
+    ) -> ClientRuntime:
         if num_partitions != cfg.clients.count:
             raise ConfigError(
                 f"node config num-partitions={num_partitions} but clients.count="
                 f"{cfg.clients.count}: every node must split the data as the config does"
             )
-        if not 0 <= cid < cfg.clients.count:
-            raise ConfigError(f"node config partition-id={cid} not in [0, {cfg.clients.count})")
+        cids = [cid] if isinstance(cid, int) else sorted(cid)
+        for c in cids:
+            if not 0 <= c < cfg.clients.count:
+                raise ConfigError(f"node config partition-id={c} not in [0, {cfg.clients.count})")
         fed = Federation(cfg)  # Flower runs every kind of algorithm (deploy/launch.py)
-        data = fed.load_data(clients=[cid])  # its own samples only
-        arch = fed.arch_of[cid]
-        # its model and client role, initialized as the simulator initializes them
-        fm = fed.models(data.input_shape, data.num_classes, only=arch)[arch]
+        data = fed.load_data(clients=cids)  # its own clients' samples only
+        archs = {fed.arch_of[c] for c in cids}
+        # its models and client role, initialized as the simulator initializes them
+        fms = fed.models(data.input_shape, data.num_classes, only=archs)
         client = fed.client_role(data.input_shape, data.num_classes)
-        return cls(cfg, cid, data, fm, client, fed)
+        return cls(cfg, cids, data, fms, client, fed)
+
+    @property
+    def cid(self) -> int:
+        """The client of a node that serves one."""
+        if len(self.cids) != 1:
+            raise ValueError(f"this node serves clients {self.cids}, not one")
+        return self.cids[0]
+
+    @property
+    def fm(self) -> FunctionalModel:
+        """The model of a node whose clients share one architecture."""
+        if len(self.fms) != 1:
+            raise ValueError(f"this node's clients have architectures {sorted(self.fms)}")
+        return next(iter(self.fms.values()))
 
     @property
     def device(self) -> torch.device:
         return self.federation.device
 
-    def group(self, rnd: int) -> ClientGroup:
-        return self.federation.group(self.fm, [self.cid], self.data, rnd)
+    def parts(self, cids: Iterable[int]) -> list[tuple[str, list[int]]]:
+        """``cids`` by architecture group, in the simulator's order (groups, then client id)."""
+        wanted = set(cids)
+        out = [(a, [c for c in m if c in wanted]) for a, m in self.federation.groups.items()]
+        return [(a, part) for a, part in out if part]
+
+    def group(
+        self, rnd: int, arch: str | None = None, cids: list[int] | None = None
+    ) -> ClientGroup:
+        arch = self.fm.name if arch is None else arch
+        return self.federation.group(self.fms[arch], cids or self.cids, self.data, rnd)
+
+    def initial_states(self, cids: list[int]) -> dict[int, dict[str, Tensor]]:
+        """These clients' initial states: the simulator's draws (the architecture groups
+        before the last of theirs are drawn too, and dropped)."""
+        fed, shape, classes = self.federation, self.data.input_shape, self.data.num_classes
+        names = list(fed.groups)
+        through = names[: max(names.index(fed.arch_of[c]) for c in cids) + 1]
+        others = [a for a in through if a not in self.fms]
+        models = fed.models(shape, classes, others) if others else {}
+        return fed.initial_states(self.client, {**models, **self.fms}, cids)
 
     def initial_state(self) -> dict[str, Tensor]:
-        """This client's initial state, stacked: the simulator's draw for client ``cid``
-        (the architecture groups before its own are drawn too, and dropped)."""
-        fed, arch = self.federation, self.fm.name
-        before = [name for name in fed.groups_through(self.cid) if name != arch]
-        models = fed.models(self.data.input_shape, self.data.num_classes, before) if before else {}
-        state = fed.initial_states(self.client, {**models, arch: self.fm}, [self.cid])
-        return stack_payloads([state[self.cid]])
+        """The initial state of a one-client node, stacked."""
+        return stack_payloads([self.initial_states([self.cid])[self.cid]])
+
+    def joins(self) -> dict[int, Payload]:
+        fed = self.federation
+        return {
+            c: self.client.join(self.fms[fed.arch_of[c]], self.data.train_sizes[c])
+            for c in self.cids
+        }
 
     def join(self) -> Payload:
-        return self.client.join(self.fm, self.data.train_sizes[self.cid])
+        return self.joins()[self.cid]
 
     # -- persistent state ------------------------------------------------------------------
-    # Within a run the state lives in ``context.state``. A resumable run (checkpoint_every set)
-    # also keeps it on the node's disk, one file per round it changed, so that a restarted
-    # ServerApp (a new Flower run, an empty context) continues from the server's last
-    # checkpoint C: the node loads its newest file of a round <= C. Files are pruned to that
-    # one and the ones after C. A node whose files are gone starts again from its initial
-    # state and says so (``state_lost``; the server logs it).
-    def state_dir(self, context: Context) -> Path | None:
+    # Within a run each client's state lives in ``context.state`` (one record per client).
+    # A resumable run (checkpoint_every set) also keeps it on the node's disk, one file per
+    # round it changed, so that a restarted ServerApp (a new Flower run, an empty context)
+    # continues from the server's last checkpoint C: the node loads its newest file of a
+    # round <= C. Files are pruned to that one and the ones after C. A client whose files are
+    # gone starts again from its initial state and says so (``state_lost``; the server logs it).
+    def state_key(self, cid: int) -> str:
+        return STATE if len(self.cids) == 1 else f"{STATE}.{cid}"
+
+    def state_dir(self, context: Context, cid: int | None = None) -> Path | None:
         if self.cfg.checkpoint_every is None:
             return None
         root = os.environ.get(STATE_DIR_ENV) or str(Path(get_flwr_home()) / "hyperfed-state")
@@ -223,25 +335,37 @@ class ClientRuntime:
         if run_dir not in self.run_keys:  # hashed once, not on every message
             text = run_dir + to_toml(self.cfg)
             self.run_keys[run_dir] = hashlib.sha256(text.encode()).hexdigest()[:16]
-        return Path(root) / self.run_keys[run_dir] / f"client-{self.cid}"
+        return Path(root) / self.run_keys[run_dir] / f"client-{self.cid if cid is None else cid}"
 
     @staticmethod
     def _saved(folder: Path) -> dict[int, Path]:
         return {int(f.stem.removeprefix("r")): f for f in folder.glob("r*.pt")}
 
-    def load_state(self, context: Context, checkpoint: int = 0) -> dict[str, Tensor]:
-        """This client's state, stacked: from ``context.state``; on first use in this run from
-        disk (a resumed run, ``checkpoint`` > 0) or the initial state."""
-        if STATE in context.state.array_records:
-            one = _state_from_record(context.state.array_records[STATE], self.device)
-            return stack_payloads([one])
-        folder = self.state_dir(context)
-        init = self.initial_state()
+    def load_states(
+        self, context: Context, cids: list[int], checkpoint: int = 0
+    ) -> dict[int, dict[str, Tensor]]:
+        """These clients' states (one each): from ``context.state``; on first use in this run
+        from disk (a resumed run, ``checkpoint`` > 0) or the initial state."""
+        records = context.state.array_records
+        fresh = [c for c in cids if self.state_key(c) not in records]
+        init = self.initial_states(fresh) if fresh else {}
+        out: dict[int, dict[str, Tensor]] = {}
+        for c in cids:
+            if c in init:
+                out[c] = self._first_state(context, c, init[c], checkpoint)
+            else:
+                out[c] = _state_from_record(records[self.state_key(c)], self.device)
+        return out
+
+    def _first_state(
+        self, context: Context, cid: int, init: dict[str, Tensor], checkpoint: int
+    ) -> dict[str, Tensor]:
+        folder = self.state_dir(context, cid)
         if folder is None:
             return init
         if checkpoint == 0:  # a fresh start: files of an earlier run here are not ours
             shutil.rmtree(folder, ignore_errors=True)
-            self.save_state(context, init, 0, 0)
+            self.save_states(context, {cid: init}, 0, 0)
             return init
         saved = {}
         for r, f in self._saved(folder).items():
@@ -250,105 +374,194 @@ class ClientRuntime:
             else:  # written after the checkpoint by the run that was killed
                 f.unlink(missing_ok=True)
         if not saved:
-            log.warning(
-                "client %d: no saved state (round <= %d); starting anew", self.cid, checkpoint
-            )
-            self.lost = True
-            self.save_state(context, init, 0, checkpoint)
+            log.warning("client %d: no saved state (round <= %d); starting anew", cid, checkpoint)
+            self.lost.add(cid)
+            self.save_states(context, {cid: init}, 0, checkpoint)
             return init
-        one = torch.load(saved[max(saved)], map_location=self.device, weights_only=True)
-        context.state[STATE] = _state_record(one)
-        return stack_payloads([one])
+        one: dict[str, Tensor] = torch.load(
+            saved[max(saved)], map_location=self.device, weights_only=True
+        )
+        context.state[self.state_key(cid)] = _state_record(one)
+        return one
+
+    def load_state(self, context: Context, checkpoint: int = 0) -> dict[str, Tensor]:
+        """The state of a one-client node, stacked."""
+        return stack_payloads([self.load_states(context, [self.cid], checkpoint)[self.cid]])
+
+    def save_states(
+        self, context: Context, states: dict[int, dict[str, Tensor]], rnd: int, checkpoint: int
+    ) -> None:
+        for cid, one in states.items():
+            context.state[self.state_key(cid)] = _state_record(one)
+            folder = self.state_dir(context, cid)
+            if folder is None:
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"r{rnd}.pt"
+            atomic_write_bytes(
+                path, lambda f, s=one: torch.save({k: v.cpu() for k, v in s.items()}, f)
+            )
+            saved = self._saved(folder)
+            kept = max(r for r in saved if r <= max(checkpoint, min(saved)))
+            for r, f in saved.items():
+                if r < kept:
+                    f.unlink(missing_ok=True)
 
     def save_state(
         self, context: Context, state: dict[str, Tensor], rnd: int, checkpoint: int
     ) -> None:
-        one = unstack_payload(state, 1)[0]
-        context.state[STATE] = _state_record(one)
-        folder = self.state_dir(context)
-        if folder is None:
-            return
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"r{rnd}.pt"
-        atomic_write_bytes(path, lambda f: torch.save({k: v.cpu() for k, v in one.items()}, f))
-        saved = self._saved(folder)
-        kept = max(r for r in saved if r <= max(checkpoint, min(saved)))
-        for r, f in saved.items():
-            if r < kept:
-                f.unlink(missing_ok=True)
+        """Save the stacked state of a one-client node."""
+        self.save_states(context, {self.cid: unstack_payload(state, 1)[0]}, rnd, checkpoint)
+
+    # -- the messages, for any of its clients ----------------------------------------------
+    def fit_many(
+        self, rnd: int, msgs: dict[int, Payload], context: Context, checkpoint: int = 0
+    ) -> tuple[dict[int, Payload], dict[int, dict[str, float]]]:
+        """Local training of these clients, one engine group per architecture (as the
+        simulator trains them); replies and metrics by client id. The FLOPs measured here
+        (the server cannot see them) are reported once, with the first client's metrics."""
+        states = self.load_states(context, list(msgs), checkpoint)
+        replies: dict[int, Payload] = {}
+        metrics: dict[int, dict[str, float]] = {}
+        new: dict[int, dict[str, Tensor]] = {}
+        with FlopMeter() as meter, channels_last(self.federation.nhwc):
+            for arch, part in self.parts(msgs):
+                reply, state, loss = self.client.fit(
+                    self.group(rnd, arch, part),
+                    stack_payloads([msgs[c] for c in part]),
+                    stack_payloads([states[c] for c in part]),
+                )
+                losses = loss.reshape(-1)
+                for i, c in enumerate(part):
+                    replies[c] = {k: v[i] for k, v in reply.items()}
+                    new[c] = {k: v[i] for k, v in state.items()}
+                    metrics[c] = {"train_loss": float(losses[i])}
+        self.save_states(context, new, rnd, checkpoint)
+        first = min(metrics)
+        metrics[first]["train_flops"] = float(meter.total)
+        return replies, self._lost(metrics)
 
     def fit(
         self, rnd: int, msg: Payload, context: Context, checkpoint: int = 0
     ) -> tuple[Payload, dict[str, float]]:
-        state = self.load_state(context, checkpoint)
-        # FLOPs measured here, reported to the server (it cannot see them)
-        with FlopMeter() as meter, channels_last(self.federation.nhwc):
-            reply, new_state, loss = self.client.fit(self.group(rnd), stack_payloads([msg]), state)
-        self.save_state(context, new_state, rnd, checkpoint)
-        metrics = {"train_loss": float(loss.reshape(-1)[0]), "train_flops": float(meter.total)}
-        return unstack_payload(reply, 1)[0], self._lost(metrics)
+        replies, metrics = self.fit_many(rnd, {self.cid: msg}, context, checkpoint)
+        return replies[self.cid], metrics[self.cid]
 
-    def _lost(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.lost:
-            self.lost = False
-            metrics["state_lost"] = 1.0
+    def _lost(self, metrics: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+        for c in sorted(self.lost & set(metrics)):
+            metrics[c]["state_lost"] = 1.0
+            self.lost.discard(c)
         return metrics
+
+    def mix_many(
+        self,
+        rnd: int,
+        neighbours: dict[int, Payload],
+        weights: dict[int, Tensor],
+        context: Context,
+        checkpoint: int,
+    ) -> None:
+        """Decentralized: ``mixed_i = sum_j W[i, j] payload_j`` over client ``i``'s relayed
+        neighbours' payloads (seed 004, Alg. 1), mixed here on the node, then ``Client.mix``
+        for each architecture group."""
+        states = self.load_states(context, list(neighbours), checkpoint)
+        new: dict[int, dict[str, Tensor]] = {}
+        for arch, part in self.parts(neighbours):
+            mixed = [Gossip.mix(weights[c].reshape(1, -1), neighbours[c]) for c in part]
+            stacked = {k: torch.cat([m[k] for m in mixed]) for k in mixed[0]} if mixed[0] else {}
+            state = self.client.mix(
+                self.group(rnd, arch, part), stacked, stack_payloads([states[c] for c in part])
+            )
+            new.update(zip(part, unstack_payload(state, len(part))))
+        self.save_states(context, new, rnd, checkpoint)
 
     def mix(
         self, rnd: int, neighbours: Payload, weights: Tensor, context: Context, checkpoint: int
     ) -> None:
-        """Decentralized: ``mixed = sum_j W[i, j] payload_j`` over the relayed neighbours'
-        payloads (seed 004, Alg. 1), mixed here on the node, then ``Client.mix``."""
-        state = self.load_state(context, checkpoint)
-        mixed = Gossip.mix(weights.reshape(1, -1), neighbours)
-        self.save_state(context, self.client.mix(self.group(rnd), mixed, state), rnd, checkpoint)
+        self.mix_many(rnd, {self.cid: neighbours}, {self.cid: weights}, context, checkpoint)
+
+    def setup_many(
+        self, stage: int, msgs: dict[int, Payload], context: Context, checkpoint: int = 0
+    ) -> tuple[dict[int, Payload], dict[int, dict[str, float]]]:
+        states = self.load_states(context, list(msgs), checkpoint)
+        replies: dict[int, Payload] = {}
+        stats: dict[int, dict[str, float]] = {}
+        new: dict[int, dict[str, Tensor]] = {}
+        for arch, part in self.parts(msgs):
+            out, state, st = self.client.setup(
+                stage,
+                self.group(0, arch, part),
+                stack_payloads([msgs[c] for c in part]),
+                stack_payloads([states[c] for c in part]),
+            )
+            new.update(zip(part, unstack_payload(state, len(part))))
+            for i, c in enumerate(part):
+                replies[c] = out[i]
+                stats[c] = {k: float(v.reshape(-1)[i]) for k, v in st.items()}
+        self.save_states(context, new, 0, checkpoint)
+        return replies, stats
 
     def setup(
         self, stage: int, msg: Payload, context: Context, checkpoint: int = 0
     ) -> tuple[Payload, dict[str, float]]:
-        state = self.load_state(context, checkpoint)
-        out, new_state, stats = self.client.setup(
-            stage, self.group(0), stack_payloads([msg]), state
-        )
-        self.save_state(context, new_state, 0, checkpoint)
-        return out[0], {k: float(v.reshape(-1)[0]) for k, v in stats.items()}
+        replies, stats = self.setup_many(stage, {self.cid: msg}, context, checkpoint)
+        return replies[self.cid], stats[self.cid]
+
+    def evaluate_many(
+        self, msgs: dict[int, Payload], context: Context, split: str = "test", checkpoint: int = 0
+    ) -> dict[int, dict[str, float]]:
+        if split not in ("test", "val"):
+            raise ValueError(f"evaluate: unknown split {split!r}")
+        states = self.load_states(context, list(msgs), checkpoint)
+        out: dict[int, dict[str, float]] = {}
+        for arch, part in self.parts(msgs):
+            theta, buffers = self.client.eval_model(
+                self.group(-1, arch, part),
+                stack_payloads([msgs[c] for c in part]),
+                stack_payloads([states[c] for c in part]),
+            )
+            with channels_last(self.federation.nhwc):
+                net = self.client.eval_network(self.fms[arch])
+                ok, total, loss = evaluate_clients(net, theta, buffers, self.data, part, split)
+            for i, c in enumerate(part):
+                out[c] = {
+                    "correct": float(ok[i]),
+                    "total": float(total[i]),
+                    "loss_sum": float(loss[i]),
+                }
+        return out
 
     def evaluate(
         self, msg: Payload, context: Context, split: str = "test", checkpoint: int = 0
     ) -> dict[str, float]:
-        if split not in ("test", "val"):
-            raise ValueError(f"evaluate: unknown split {split!r}")
-        state = self.load_state(context, checkpoint)
-        theta, buffers = self.client.eval_model(self.group(-1), stack_payloads([msg]), state)
-        with channels_last(self.federation.nhwc):
-            net = self.client.eval_network(self.fm)
-            ok, total, loss = evaluate_clients(net, theta, buffers, self.data, [self.cid], split)
-        return {"correct": float(ok[0]), "total": float(total[0]), "loss_sum": float(loss[0])}
+        return self.evaluate_many({self.cid: msg}, context, split, checkpoint)[self.cid]
 
 
-# The clients this process built, by (run id, partition id, num-partitions): a long-lived
-# ClientApp process (``hyperfed.deploy.clientapp``) builds its client once per run and reuses
-# it for every message; one of another run is dropped when a new run's first message comes.
-_RUNTIMES: dict[tuple[int, int, int], ClientRuntime] = {}
-BUILD_LOG_ENV = "HYPERFED_BUILD_LOG"  # a file: one line per client built (pid, run, client)
+# The clients this process built, by (run id, what the node config names, num-partitions): a
+# long-lived ClientApp process (``hyperfed.deploy.clientapp``) builds its clients once per run
+# and reuses them for every message; those of another run are dropped when a new run's first
+# message comes.
+_RUNTIMES: dict[tuple[int, int | str, int], ClientRuntime] = {}
+BUILD_LOG_ENV = "HYPERFED_BUILD_LOG"  # a file: one line per node built (pid, run, clients)
 
 
 def _runtime(context: Context) -> ClientRuntime:
     nc = context.node_config
-    if "partition-id" not in nc or "num-partitions" not in nc:
-        raise ConfigError(
-            "node config needs partition-id and num-partitions, e.g. flower-supernode "
-            "--node-config 'partition-id=0 num-partitions=10'"
-        )
-    key = (int(context.run_id), int(nc["partition-id"]), int(nc["num-partitions"]))
+    _check_node_config(nc)
+    served: int | str = str(nc[PARTITION_IDS]) if PARTITION_IDS in nc else _int(nc[PARTITION_ID])
+    key = (int(context.run_id), served, _int(nc[NUM_PARTITIONS]))
     if key not in _RUNTIMES:
         for old in [k for k in _RUNTIMES if k[0] != key[0]]:
-            del _RUNTIMES[old]  # a finished run's client: its state lives on in its context
+            del _RUNTIMES[old]  # a finished run's clients: their state lives on in its context
         cfg = config_from_run_config(dict(context.run_config))
-        _RUNTIMES[key] = ClientRuntime.build(cfg, key[1], key[2])
+        per_node = _int(context.run_config.get(RC_CLIENTS_PER_NODE, 1) or 1)
+        cids = node_clients(dict(nc), cfg, per_node)
+        _RUNTIMES[key] = ClientRuntime.build(cfg, cids, cfg.clients.count)
         built = os.environ.get(BUILD_LOG_ENV)
         if built:  # one short line per build, appended (atomic for concurrent processes)
-            line = json.dumps({"pid": os.getpid(), "run": key[0], "client": key[1]})
+            line = json.dumps(
+                {"pid": os.getpid(), "run": key[0], "client": cids[0], "clients": cids}
+            )
             with open(built, "a") as f:
                 f.write(line + "\n")
     return _RUNTIMES[key]
@@ -369,10 +582,63 @@ def _reply(msg: Message, payload: Payload | None, **records: Any) -> Message:
     return Message(content, reply_to=msg)
 
 
+def _addressed(msg: Message, rt: ClientRuntime) -> list[int] | None:
+    """The clients a group message is for (config ``client-ids``; all served by this node),
+    or None for a one-client message (the node's client)."""
+    config: Mapping[str, Any] = msg.content.config_records.get(CONFIG, {})
+    if "client-ids" not in config:
+        if len(rt.cids) != 1:
+            raise ConfigError(f"a one-client message to a node serving clients {rt.cids}")
+        return None
+    cids = [_int(c) for c in config["client-ids"]]
+    stray = sorted(set(cids) - set(rt.cids))
+    if stray or len(set(cids)) != len(cids):
+        raise ConfigError(f"message for clients {cids}; this node serves {rt.cids}")
+    return cids
+
+
+def _payloads(msg: Message, rt: ClientRuntime, cids: list[int] | None) -> dict[int, Payload]:
+    if cids is None:
+        return {rt.cid: record_to_payload(msg.content, rt.device)}
+    return {c: record_to_payload(client_view(msg.content, c), rt.device) for c in cids}
+
+
+def _answer(
+    msg: Message,
+    rt: ClientRuntime,
+    cids: list[int] | None,
+    replies: dict[int, Payload] | None,
+    metrics: dict[int, dict[str, float]] | None,
+    **records: Any,
+) -> Message:
+    """The reply: a one-client message as before; a group message with each client's
+    records under ``<name>.<client id>``."""
+    if cids is None:
+        if metrics is not None:
+            records[METRICS] = MetricRecord(dict(metrics[rt.cid]))
+        return _reply(msg, None if replies is None else replies[rt.cid], **records)
+    content = RecordDict()
+    for c in cids:
+        if replies is not None:
+            for name, rec in payload_to_record(replies[c]).items():
+                content[client_key(name, c)] = rec
+        # always a metrics record: it says the node answered for this client
+        content[client_key(METRICS, c)] = MetricRecord(
+            dict(metrics[c]) if metrics is not None else {}
+        )
+    for name, record in records.items():
+        content[name] = record
+    return Message(content, reply_to=msg)
+
+
 @client_app.query("join")
 def _client_join(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
-    return _reply(msg, rt.join(), **{NODE: ConfigRecord({"partition-id": rt.cid})})
+    if len(rt.cids) == 1:
+        return _reply(msg, rt.join(), **{NODE: ConfigRecord({"partition-id": rt.cid})})
+    return _answer(
+        msg, rt, rt.cids, rt.joins(), None, **{NODE: ConfigRecord({"partition-ids": rt.cids})}
+    )
 
 
 def _checkpoint(msg: Message) -> int:
@@ -383,38 +649,45 @@ def _checkpoint(msg: Message) -> int:
 @client_app.query("setup")
 def _client_setup(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
+    cids = _addressed(msg, rt)
     stage = _int(msg.content.config_records[CONFIG]["stage"])
-    payload = record_to_payload(msg.content, rt.device)
-    reply, stats = rt.setup(stage, payload, context, _checkpoint(msg))
-    return _reply(msg, reply, **{METRICS: MetricRecord(dict(stats))})
+    payloads = _payloads(msg, rt, cids)
+    replies, stats = rt.setup_many(stage, payloads, context, _checkpoint(msg))
+    return _answer(msg, rt, cids, replies, stats)
 
 
 @client_app.train()
 def _client_train(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
+    cids = _addressed(msg, rt)
     rnd = _int(msg.content.config_records[CONFIG]["round"])
-    payload = record_to_payload(msg.content, rt.device)
-    reply, metrics = rt.fit(rnd, payload, context, _checkpoint(msg))
-    return _reply(msg, reply, **{METRICS: MetricRecord(dict(metrics))})
+    payloads = _payloads(msg, rt, cids)
+    replies, metrics = rt.fit_many(rnd, payloads, context, _checkpoint(msg))
+    return _answer(msg, rt, cids, replies, metrics)
 
 
 @client_app.query("gossip")
 def _client_gossip(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
+    cids = _addressed(msg, rt)
     rnd = _int(msg.content.config_records[CONFIG]["round"])
-    weights = torch.from_numpy(msg.content.array_records[WEIGHTS]["w"].numpy().copy())
-    neighbours = record_to_payload(msg.content, rt.device)
-    rt.mix(rnd, neighbours, weights, context, _checkpoint(msg))
-    return _reply(msg, None)
+    neighbours = _payloads(msg, rt, cids)
+    weights = {}
+    for c in neighbours:
+        view = msg.content if cids is None else client_view(msg.content, c)
+        weights[c] = torch.from_numpy(view.array_records[WEIGHTS]["w"].numpy().copy())
+    rt.mix_many(rnd, neighbours, weights, context, _checkpoint(msg))
+    return _answer(msg, rt, cids, None, None)
 
 
 @client_app.evaluate()
 def _client_evaluate(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
+    cids = _addressed(msg, rt)
     split = str(msg.content.config_records[CONFIG].get("split", "test"))
-    payload = record_to_payload(msg.content, rt.device)
-    metrics = rt.evaluate(payload, context, split, _checkpoint(msg))
-    return _reply(msg, None, **{METRICS: MetricRecord(dict(metrics))})
+    payloads = _payloads(msg, rt, cids)
+    metrics = rt.evaluate_many(payloads, context, split, _checkpoint(msg))
+    return _answer(msg, rt, cids, None, metrics)
 
 
 # -- ServerApp ------------------------------------------------------------------------------
@@ -449,7 +722,8 @@ def describe(content: RecordDict) -> dict[str, Any]:
 class Deployment:
     """The server side of a run: the algorithm's server role, run by the round driver
     (:mod:`hyperfed.runtime.driver`), and the Flower nodes it reaches -- this class is the
-    driver's transport: one Flower message per client, replies by client id."""
+    driver's transport: one Flower message per node, holding the payloads of the clients it
+    serves (a node of one client: the one-client format), replies by client id."""
 
     name = "flower"
 
@@ -463,13 +737,17 @@ class Deployment:
         self.device = fed.device
         self.reference = fed.reference  # its nodes report no loss
         self.n = cfg.clients.count
-        self.min_nodes = int(run_config.get(RC_MIN_NODES, self.n) or self.n)
+        per_node = int(run_config.get(RC_CLIENTS_PER_NODE, 1) or 1)
+        nodes = math.ceil(self.n / max(per_node, 1))  # every client served
+        self.min_nodes = int(run_config.get(RC_MIN_NODES, nodes) or nodes)
         self.join_timeout = float(run_config.get(RC_JOIN_TIMEOUT, 300.0))
         self.round_timeout = float(run_config.get(RC_ROUND_TIMEOUT, 600.0))
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = str(run_config.get(RC_RUN_DIR, "") or f"runs/{stamp}-flower-{cfg.algorithm.name}")
         self.run_dir = RunDir(run_dir)
         self.node_of: dict[int, int] = {}  # client id -> Flower node id
+        self.clients_of: dict[int, list[int]] = {}  # Flower node id -> the clients it serves
+        self.grouped: set[int] = set()  # nodes that joined naming partition-ids: group messages
         self.server: Server | None = None
         self.totals: dict[str, int] = {}
         self.evaluated = 0  # evaluation exchanges so far (names their message group)
@@ -482,68 +760,99 @@ class Deployment:
         config: dict[str, Any],
         group: str,
         extra: dict[int, Tensor] | None = None,
-    ) -> dict[int, Message]:
-        """One message per client (its own payload), replies by client id; errors and
-        late replies are logged and dropped (the run carries on with the others)."""
+    ) -> dict[int, RecordDict]:
+        """One message per node: its clients' payloads (only clients it serves, as its join
+        said), replies by client id (each client's records under their one-client names);
+        errors and late replies are logged and dropped (the run carries on with the others)."""
+        by_node: dict[int, list[int]] = {}
+        for cid in payloads:
+            by_node.setdefault(self.node_of[cid], []).append(cid)
         messages: list[Message] = []
-        for cid, payload in payloads.items():
-            content = payload_to_record(payload)
-            content[CONFIG] = ConfigRecord(
-                {**config, "client-id": cid, "checkpoint": self.last_checkpoint}
-            )
-            if extra is not None:  # a gossip message: this node's row of W
-                content[WEIGHTS] = ArrayRecord({"w": Array(extra[cid].numpy())})
-            msg = Message(content, self.node_of[cid], kind, group_id=group, ttl=self.round_timeout)
-            self.wire("down", kind, group, cid, msg)
+        for node, cids in by_node.items():
+            if node in self.grouped:
+                content = RecordDict()
+                for cid in cids:
+                    for name, rec in payload_to_record(payloads[cid]).items():
+                        content[client_key(name, cid)] = rec
+                    if extra is not None:  # a gossip message: this client's row of W
+                        w = ArrayRecord({"w": Array(extra[cid].numpy())})
+                        content[client_key(WEIGHTS, cid)] = w
+                served: dict[str, Any] = {"client-ids": cids}
+            else:
+                (cid,) = cids
+                content = payload_to_record(payloads[cid])
+                if extra is not None:  # a gossip message: this node's row of W
+                    content[WEIGHTS] = ArrayRecord({"w": Array(extra[cid].numpy())})
+                served = {"client-id": cid}
+            content[CONFIG] = ConfigRecord({**config, **served, "checkpoint": self.last_checkpoint})
+            msg = Message(content, node, kind, group_id=group, ttl=self.round_timeout)
+            for cid in cids:
+                self.wire("down", kind, group, cid, node, self._view(node, msg.content, cid))
             messages.append(msg)
-        replies: dict[int, Message] = {}
+        replies: dict[int, RecordDict] = {}
         received = self.grid.send_and_receive(messages, timeout=self.round_timeout)
         # a reply names the message it answers (ids are set when pushed); the SuperLink's
         # own error replies (an unreachable node) come from the SuperLink, not the node
-        by_id = {msg.metadata.message_id: cid for msg, cid in zip(messages, payloads)}
-        by_node = {msg.metadata.dst_node_id: cid for msg, cid in zip(messages, payloads)}
+        by_id = {msg.metadata.message_id: msg.metadata.dst_node_id for msg in messages}
         for reply in received:
-            cid_or_none = by_id.get(reply.metadata.reply_to_message_id)
-            if cid_or_none is None:
-                cid_or_none = by_node.get(reply.metadata.src_node_id)
-            if cid_or_none is None:
+            node_or_none = by_id.get(reply.metadata.reply_to_message_id)
+            if node_or_none is None and reply.metadata.src_node_id in by_node:
+                node_or_none = reply.metadata.src_node_id
+            if node_or_none is None:
                 continue
-            cid = cid_or_none
+            node = node_or_none
             if reply.has_error():
                 log.warning(
-                    "%s %s: client %d (node %d) failed: error %s %s",
+                    "%s %s: clients %s (node %d) failed: error %s %s",
                     kind,
                     group,
-                    cid,
-                    self.node_of[cid],
+                    by_node[node],
+                    node,
                     reply.error.code,
                     (reply.error.reason or "")[:300],
                 )
                 continue
-            self.wire("up", kind, group, cid, reply)
-            replies[cid] = reply
-            metrics: dict[str, Any] = dict(reply.content.metric_records.get(METRICS, {}))
-            if metrics.get("state_lost"):
-                log.warning(
-                    "%s %s: client %d had lost its state; it restarted from its initial state",
-                    kind,
-                    group,
-                    cid,
-                )
+            for cid in by_node[node]:
+                view = self._view(node, reply.content, cid)
+                if node in self.grouped and not view:
+                    continue  # the node did not answer for this client
+                self.wire("up", kind, group, cid, node, view)
+                replies[cid] = view
+                metrics: dict[str, Any] = dict(view.metric_records.get(METRICS, {}))
+                if metrics.get("state_lost"):
+                    log.warning(
+                        "%s %s: client %d had lost its state; it restarted from its initial state",
+                        kind,
+                        group,
+                        cid,
+                    )
         missing = sorted(set(payloads) - set(replies))
         if missing:
             log.warning("%s %s: no reply from clients %s", kind, group, missing)
         return replies
 
-    def wire(self, direction: str, kind: str, group: str, cid: int, msg: Message) -> None:
-        """One line per message in ``wire.jsonl``: what crossed, to and from which client."""
+    def _view(self, node: int, content: RecordDict, cid: int) -> RecordDict:
+        """Client ``cid``'s part of a message to or from ``node``: a group message's records
+        for it (and the shared config), or a one-client message whole."""
+        if node not in self.grouped:
+            return content
+        view = client_view(content, cid)
+        if view and CONFIG in content.config_records:
+            view[CONFIG] = content.config_records[CONFIG]
+        return view
+
+    def wire(
+        self, direction: str, kind: str, group: str, cid: int, node: int, content: RecordDict
+    ) -> None:
+        """One line per client and message in ``wire.jsonl``: what crossed, to and from which
+        client (a group message: that client's part) and node."""
         line = {
             "dir": direction,
             "type": kind,
             "group": group,
             "client": cid,
-            "node": msg.metadata.dst_node_id if direction == "down" else msg.metadata.src_node_id,
-            "content": describe(msg.content),
+            "node": node,
+            "content": describe(content),
         }
         with open(self.run_dir.path / "wire.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -570,6 +879,9 @@ class Deployment:
         return nodes
 
     def join(self) -> dict[int, Payload]:
+        """Every node's join: the clients it serves (``partition-id``, or ``partition-ids``
+        with one join payload per client) -- the only clients the server sends it messages
+        for."""
         nodes = self.wait_for_nodes()
         messages = [Message(RecordDict(), node, JOIN, group_id="join") for node in nodes]
         joins: dict[int, Payload] = {}
@@ -578,20 +890,37 @@ class Deployment:
             if reply.has_error():
                 log.warning("join: node %d failed: %s", node, (reply.error.reason or "")[:300])
                 continue
-            cid = _int(reply.content.config_records[NODE]["partition-id"])
-            payload = record_to_payload(reply.content, self.device)
-            problem = _check_join(payload, self.algorithm.kind == "centralized")
-            if cid in self.node_of or not 0 <= cid < self.n:
-                problem = f"partition id {cid} taken or out of range [0, {self.n})"
-            if problem:
-                log.warning("join: rejected node %d: %s", node, problem)
-                continue
-            self.node_of[cid] = node
-            joins[cid] = payload
-            self.wire("up", JOIN, "join", cid, reply)
+            served = reply.content.config_records[NODE]
+            grouped = PARTITION_IDS in served
+            if grouped:
+                cids = [_int(c) for c in served[PARTITION_IDS]]  # type: ignore[union-attr]
+                views = {c: client_view(reply.content, c) for c in cids}
+            else:
+                cids = [_int(served[PARTITION_ID])]
+                views = {cids[0]: reply.content}
+            accepted: list[int] = []
+            for cid in cids:
+                payload = record_to_payload(views[cid], self.device)
+                problem = _check_join(payload, self.algorithm.kind == "centralized")
+                if cid in self.node_of or cid in accepted or not 0 <= cid < self.n:
+                    problem = f"partition id {cid} taken or out of range [0, {self.n})"
+                if problem:
+                    what = f"client {cid} of node {node}" if grouped else f"node {node}"
+                    log.warning("join: rejected %s: %s", what, problem)
+                    continue
+                self.node_of[cid] = node
+                joins[cid] = payload
+                accepted.append(cid)
+                self.wire("up", JOIN, "join", cid, node, views[cid])
+            if accepted:
+                self.clients_of[node] = accepted
+                if grouped:
+                    self.grouped.add(node)
         if not joins:
             raise RuntimeError("no node joined the run")
-        log.info("joined: clients %s of %d", sorted(joins), self.n)
+        log.info(
+            "joined: clients %s of %d on %d nodes", sorted(joins), self.n, len(self.clients_of)
+        )
         return dict(sorted(joins.items()))
 
     def build_server(self, joins: dict[int, Payload]) -> Server:
@@ -607,8 +936,8 @@ class Deployment:
     def fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
         out = Exchange({})
         for cid, reply in self.exchange(TRAIN, msgs, {"round": rnd}, str(rnd)).items():
-            out.replies[cid] = record_to_payload(reply.content, self.device)
-            metrics: dict[str, Any] = dict(reply.content.metric_records.get(METRICS, {}))
+            out.replies[cid] = record_to_payload(reply, self.device)
+            metrics: dict[str, Any] = dict(reply.metric_records.get(METRICS, {}))
             reported = metrics.get("train_flops")  # what the client measured (engine.local)
             if isinstance(reported, int | float) and math.isfinite(reported) and reported >= 0:
                 out.flops += int(reported)
@@ -622,8 +951,8 @@ class Deployment:
         stats: dict[str, list[float]] = {}
         got = self.exchange(SETUP, msgs, {"stage": stage}, f"setup-{stage}")
         for cid, reply in got.items():
-            out.replies[cid] = record_to_payload(reply.content, self.device)
-            for k, v in reply.content.metric_records.get(METRICS, {}).items():
+            out.replies[cid] = record_to_payload(reply, self.device)
+            for k, v in reply.metric_records.get(METRICS, {}).items():
                 stats.setdefault(k, []).append(float(v))  # type: ignore[arg-type]
         out.stats = {k: torch.tensor(vs) for k, vs in stats.items()}
         return out
@@ -646,7 +975,7 @@ class Deployment:
         got = self.exchange(EVALUATE, msgs, {"round": rnd, "split": split}, f"eval-{rnd}-{split}")
         counts = EvalCounts(*(torch.full((self.n,), math.nan) for _ in range(3)))
         for cid, reply in got.items():
-            m = reply.content.metric_records[METRICS]
+            m = reply.metric_records[METRICS]
             counts.correct[cid] = float(m["correct"])  # type: ignore[arg-type]
             counts.total[cid] = float(m["total"])  # type: ignore[arg-type]
             counts.loss_sum[cid] = float(m["loss_sum"])  # type: ignore[arg-type]

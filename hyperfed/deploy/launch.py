@@ -80,7 +80,76 @@ RC_JOIN_TIMEOUT = "join-timeout"
 RC_ROUND_TIMEOUT = "round-timeout"
 RC_RESUME = "resume"
 RC_JSON_KEYS = "json-keys"  # experiment keys whose value is JSON text (lists, unset values)
-RUN_KEYS = (RC_RUN_DIR, RC_MIN_NODES, RC_JOIN_TIMEOUT, RC_ROUND_TIMEOUT, RC_RESUME, RC_JSON_KEYS)
+# a simulated SuperNode (node config partition-id=k, num-partitions=ceil(N/G)) serves the
+# clients k*G .. k*G+G-1: Flower's Simulation Engine numbers its nodes, not their clients
+RC_CLIENTS_PER_NODE = "clients-per-node"
+RUN_KEYS = (
+    RC_RUN_DIR,
+    RC_MIN_NODES,
+    RC_JOIN_TIMEOUT,
+    RC_ROUND_TIMEOUT,
+    RC_RESUME,
+    RC_JSON_KEYS,
+    RC_CLIENTS_PER_NODE,
+)
+
+
+# -- which clients a node serves ---------------------------------------------------------
+def parse_partition_ids(text: object, num_partitions: int) -> list[int]:
+    """The client ids of a node config's ``partition-ids``: ranges and single ids separated by
+    commas ("0-9", "0,3,5", "0-4,9"), each in [0, num_partitions), none twice; sorted.
+    Raises :class:`~hyperfed.config.ConfigError` with a one-line message on bad input."""
+    from hyperfed.config import ConfigError
+
+    spec = str(text).strip()
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(
+            f"node config partition-ids={spec!r}: {why}; write ids and ranges in "
+            f"[0, {num_partitions}) separated by commas, e.g. '0-9' or '0,3,5' or '0-4,9'"
+        )
+
+    if not spec:
+        raise bad("empty")
+    ids: list[int] = []
+    for part in spec.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if dash else a
+        except ValueError:
+            raise bad(f"{part.strip()!r} is not an integer or a range a-b") from None
+        if b < a:
+            raise bad(f"range {part.strip()!r} runs backwards")
+        if a < 0 or b >= num_partitions:
+            raise bad(f"{part.strip()!r} is out of range")
+        ids.extend(range(a, b + 1))
+    if len(set(ids)) != len(ids):
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        raise bad(f"ids {twice} appear more than once")
+    return sorted(ids)
+
+
+def format_partition_ids(ids: Sequence[int]) -> str:
+    """Inverse of :func:`parse_partition_ids` (sorted, runs written as ranges)."""
+    out: list[str] = []
+    ids = sorted(ids)
+    start = 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or ids[k] != ids[k - 1] + 1:
+            a, b = ids[start], ids[k - 1]
+            out.append(str(a) if a == b else f"{a}-{b}")
+            start = k
+    return ",".join(out)
+
+
+def node_groups(num_clients: int, clients_per_node: int) -> list[list[int]]:
+    """Clients 0..N-1 in consecutive groups of ``clients_per_node`` (the last may be shorter):
+    node ``k`` serves ``k*G .. min(k*G+G, N)-1``; ceil(N/G) nodes."""
+    if clients_per_node < 1:
+        raise ValueError(f"clients_per_node={clients_per_node}: must be >= 1")
+    g = clients_per_node
+    return [list(range(k, min(k + g, num_clients))) for k in range(0, num_clients, g)]
 
 
 def experiment_run_config(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -126,6 +195,7 @@ def write_app(
     join_timeout: float = 300.0,
     round_timeout: float = 600.0,
     resume: bool = False,
+    clients_per_node: int = 1,
 ) -> Path:
     """Write the Flower app folder for an experiment config; returns the folder.
 
@@ -133,8 +203,10 @@ def write_app(
     (:func:`experiment_run_config`) beside hyperfed's run keys: ``run-dir`` is where the
     ServerApp writes metrics.jsonl / summary.md on the SuperLink's machine (default
     ``runs/<time>-flower-<algorithm>`` under the SuperLink's working folder); ``min-nodes``
-    how many SuperNodes the server waits for (0: ``clients.count``); ``resume`` continues the
-    run directory's last checkpoint."""
+    how many SuperNodes the server waits for (0: ``clients.count``, or ceil(clients.count /
+    ``clients-per-node``)); ``resume`` continues the run directory's last checkpoint;
+    ``clients-per-node`` G: a simulated SuperNode ``k`` serves clients ``k*G .. k*G+G-1``
+    (:func:`node_groups`; deployed nodes name theirs in ``partition-ids``)."""
     import tomli_w
 
     app = Path(app_dir)
@@ -145,6 +217,7 @@ def write_app(
         RC_JOIN_TIMEOUT: float(join_timeout),
         RC_ROUND_TIMEOUT: float(round_timeout),
         RC_RESUME: bool(resume),
+        RC_CLIENTS_PER_NODE: int(clients_per_node),
     }
     from hyperfed.config import nested_keys
 
@@ -228,7 +301,7 @@ def superlink_command(
 
 def supernode_command(
     superlink: str,
-    partition_id: int,
+    partition_id: int | Sequence[int],
     num_partitions: int,
     port: int,
     *,
@@ -237,7 +310,8 @@ def supernode_command(
     private_key: Path | None = None,
     clientapp: str = LONG_LIVED,
 ) -> list[str]:
-    """A SuperNode serving client ``partition_id``, its Runtime API on ``port``.
+    """A SuperNode serving client ``partition_id`` (a list: those clients, node config
+    ``partition-ids``, trained as one engine group), its Runtime API on ``port``.
     ``insecure=False``: TLS, trusting ``root_certificates`` (None: the system's CAs), signing
     its requests with ``private_key`` (SuperNode authentication) when one is given.
     ``clientapp``: ``long-lived`` (``--isolation process``: :func:`clientapp_command` runs
@@ -252,6 +326,10 @@ def supernode_command(
         )
         if private_key is not None:
             security += ["--auth-supernode-private-key", str(private_key)]
+    if isinstance(partition_id, int):
+        serves = f"partition-id={partition_id}"
+    else:
+        serves = f'partition-ids="{format_partition_ids(partition_id)}"'
     return [
         _bin("flower-supernode"),
         *security,
@@ -260,7 +338,7 @@ def supernode_command(
         "--port",
         str(port),
         "--node-config",
-        f"partition-id={partition_id} num-partitions={num_partitions}",
+        f"{serves} num-partitions={num_partitions}",
         "--isolation",
         "process" if clientapp == LONG_LIVED else "subprocess",
     ]
@@ -393,6 +471,9 @@ class LocalDeployment:
     # long-lived: one ClientApp process per SuperNode for the whole run (built client cached);
     # per-message: Flower's flwr-clientapp process per message (any app; dependency install)
     clientapp: str = LONG_LIVED
+    # >1: SuperNode k serves clients k*G .. k*G+G-1 (node_groups), trained as one engine
+    # group; ``nodes`` then counts SuperNodes (ceil(num_partitions / G) for every client)
+    clients_per_node: int = 1
     processes: list[Process] = field(default_factory=list)
     supernodes: list[Process] = field(default_factory=list)
     node_ids: list[int] = field(default_factory=list)  # secure: the registered nodes' ids
@@ -407,6 +488,14 @@ class LocalDeployment:
             raise DeployError(
                 f"clientapp={self.clientapp!r}: must be one of {', '.join(CLIENTAPP_MODES)}"
             )
+        if self.clients_per_node < 1:
+            raise DeployError(f"clients_per_node={self.clients_per_node}: must be >= 1")
+
+    def served(self) -> Sequence[int | Sequence[int]]:
+        """What each SuperNode serves: a partition id, or (clients_per_node > 1) a group."""
+        if self.clients_per_node > 1:
+            return node_groups(self.num_partitions, self.clients_per_node)[: self.nodes]
+        return list(self.partition_ids) if self.partition_ids is not None else [*range(self.nodes)]
 
     # -- processes --------------------------------------------------------------------------
     def env(self, home: Path) -> dict[str, str]:
@@ -451,7 +540,7 @@ class LocalDeployment:
         simulation = self.simulated is not None
         if simulation and self.secure is not None:
             raise DeployError("secure: a simulation SuperLink has no SuperNodes to authenticate")
-        ids = list(self.partition_ids) if self.partition_ids is not None else range(self.nodes)
+        ids = self.served()
         if self.secure is not None and len(self.secure.node_keys) < len(ids):
             raise DeployError(
                 f"secure: {len(self.secure.node_keys)} node keys for {len(ids)} SuperNodes"
@@ -474,14 +563,15 @@ class LocalDeployment:
 
     def spawn_supernode(
         self,
-        partition_id: int,
+        partition_id: int | Sequence[int],
         *,
         name: str | None = None,
         private_key: Path | None = None,
         trust_ca: bool = True,
         superlink: str | None = None,
     ) -> Process:
-        """Start one SuperNode serving client ``partition_id`` (logs/<name>.log). In a secure
+        """Start one SuperNode serving client ``partition_id`` (a list: those clients;
+        logs/<name>.log). In a secure
         deployment it signs with ``private_key`` (None: no key) and trusts the deployment's
         CA (``trust_ca=False``: only the system's CAs, as a machine never given ca.crt);
         ``superlink``: the address it dials (default the SuperLink's; e.g. a proxy)."""
@@ -498,7 +588,10 @@ class LocalDeployment:
             private_key=private_key if secure else None,
             clientapp=self.clientapp,
         )
-        name = name or f"supernode-{partition_id}"
+        label = (
+            partition_id if isinstance(partition_id, int) else format_partition_ids(partition_id)
+        )
+        name = name or f"supernode-{label}"
         node = self._spawn(name, cmd)
         if self.clientapp == LONG_LIVED:  # its ClientApp process, stopped with it
             app = clientapp_command(runtime_port, parent_pid=node.pid)
@@ -574,6 +667,7 @@ class LocalDeployment:
             join_timeout=self.join_timeout,
             round_timeout=self.round_timeout,
             resume=self.resume,
+            clients_per_node=self.clients_per_node,
         )
         federation = []
         if self.simulated is not None:
@@ -635,10 +729,17 @@ def remote_commands(
     nodes: int,
     superlink: str = "SUPERLINK_HOST:8000",
     secure: SecureMaterial | None = None,
+    clients_per_node: int = 1,
 ) -> str:
     """The raw commands of a multi-machine deployment of ``app_dir``: insecure, or with
     ``secure`` (:func:`hyperfed.deploy.secure.make_material`) over TLS with SuperNode
-    authentication (each node's public key registered before the node starts)."""
+    authentication (each node's public key registered before the node starts).
+    ``nodes`` is the number of clients; ``clients_per_node`` > 1: ceil(nodes / G) machines,
+    machine ``i`` serving the clients of its ``partition-ids``."""
+    num_clients = nodes
+    groups = node_groups(num_clients, clients_per_node) if clients_per_node > 1 else None
+    if groups is not None:
+        nodes = len(groups)
     port = superlink.rsplit(":", 1)[-1] if ":" in superlink else "8000"
     if secure is None:
         link_security = "--insecure"
@@ -670,16 +771,23 @@ def remote_commands(
             f"for i in $(seq 0 {nodes - 1}); do "
             f"flwr supernode register {secure.folder}/nodes/node-$i.pub hyperfed; done",
         ]
+    if groups is None:
+        serves = "each serves the config's client i"
+        node_config = f'"partition-id=$i num-partitions={num_clients}"'
+    else:
+        serves = "each serves the clients IDS[i], trained as one engine group"
+        node_config = f"\"partition-ids='${{IDS[$i]}}' num-partitions={num_clients}\""
     lines += [
         "",
-        f"# on client machine i = 0..{nodes - 1} (each serves the config's client i)"
+        f"# on client machine i = 0..{nodes - 1} ({serves})"
         + (
             f", holding ca.crt and its own nodes/node-$i (from {secure.folder}):"
             if secure is not None
             else ":"
         ),
+        *([] if groups is None else [f"IDS=({' '.join(map(format_partition_ids, groups))})"]),
         f"flower-supernode {node_security} --superlink {superlink} "
-        f'--node-config "partition-id=$i num-partitions={nodes}" '
+        f"--node-config {node_config} "
         "--isolation process --port 9094 &",
         "# beside it, its long-lived ClientApp process (keeps the built client between rounds;",
         "# for Flower's process per message instead: --isolation subprocess, and no line below)",
