@@ -623,6 +623,36 @@ def test_frozen_flops_count_only_the_trainable_backward():
         assert full.total == 6 * (4 * bsz * d * h + 6 * bsz * h * c)
 
 
+def _forwards(k):
+    """A loss that sums the cross-entropy of k forward passes (k bound in a closure)."""
+    from hyperfed.engine.local import cross_entropy_loss
+
+    def loss(*args):
+        parts = [cross_entropy_loss(*args) for _ in range(k)]
+        return sum(p[0] for p in parts), parts[0][1]
+
+    return loss
+
+
+def test_flops_of_losses_that_differ_only_in_a_bound_setting_are_measured_apart():
+    """One loss function, two bound settings (1 and 2 forward passes), one process: a full
+    step of z = (x W1^T + b1) W2^T + b2 costs 4BDH + 6BHC per forward (forward 2BDH + 2BHC,
+    backward dW1 2BDH, dr and dW2 2BHC each), so 2 forwards cost twice 1 -- the FLOP cache
+    must not hand the second loss the first one's count."""
+    from hyperfed.engine.local import FlopMeter
+
+    fm, data, theta, (d, h, c) = _two_layer()
+    sgd = SGDConfig(lr=0.5, momentum=0.0, weight_decay=0.0, epochs=3, batch_size=4)
+    plan = _two_layer_plan(data, sgd.epochs)
+    b = torch.zeros(2, 0, dtype=torch.float64)
+    counts = []
+    for k in (1, 2):
+        with FlopMeter() as meter:
+            train_clients(fm, theta, b, data, plan, sgd, loss_fn=_forwards(k), vectorize=False)
+        counts.append(meter.total)
+    assert counts == [6 * (4 * 4 * d * h + 6 * 4 * h * c), 12 * (4 * 4 * d * h + 6 * 4 * h * c)]
+
+
 def test_frozen_parameters_per_client_and_split_parameters():
     """Whole parameters only: a mask that splits a parameter (DisPFL's sparse masks), freezes
     nothing or everything is masked after a full backward (None); rows are per client."""

@@ -41,6 +41,7 @@ entries' update is masked after it. Both give the same update.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import weakref
@@ -190,6 +191,7 @@ def count_flops(
         fm.num_params,
         theta.shape[-1],  # what is trained (a hypernetwork's size when theta is its phi)
         getattr(fn, "__qualname__", repr(fn)),
+        _loss_settings(loss_fn),
         tuple(data.input_shape),
         plan.idx.shape[-1],
         tuple((k, tuple(v.shape[1:])) for k, v in sorted(ctx.items())),
@@ -216,6 +218,28 @@ def count_flops(
             _STEP_FLOPS[(key, fz)] = int(counter.get_total_flops())
         for meter in FlopMeter.active:
             meter.total += _STEP_FLOPS[(key, fz)] * client_steps
+
+
+def _loss_settings(loss_fn: object, depth: int = 0) -> tuple[str, ...]:
+    """What a loss function has bound, for the FLOP cache key: a ``functools.partial``'s
+    arguments and a closure's captured values (pFedKT's ``hp``, a wrapped loss), scalars,
+    strings and dataclasses (hyperparameters) by value, nested losses by their own settings,
+    anything else by type. Two losses of one function that differ only in a setting (the
+    number of forward passes, say) are measured apart."""
+    bound: list[object] = list(getattr(loss_fn, "args", ()))
+    bound += [v for _, v in sorted(getattr(loss_fn, "keywords", {}).items())]
+    fn = getattr(loss_fn, "func", loss_fn)
+    bound += [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
+    out: list[str] = []
+    for v in bound:
+        if isinstance(v, (bool, int, float, str, type(None))) or dataclasses.is_dataclass(v):
+            out.append(repr(v))
+        elif callable(v) and depth < 3:
+            name = getattr(getattr(v, "func", v), "__qualname__", type(v).__name__)
+            out.append(f"{name}{_loss_settings(v, depth + 1)}")
+        else:
+            out.append(type(v).__name__)
+    return tuple(out)
 
 
 def client_seed(seed: int, rnd: int, client_id: int, salt: int = 0) -> int:
