@@ -168,7 +168,8 @@ def sim(
     """Flower's Simulation Engine (Ray): clients.count simulated SuperNodes (with
     --clients-per-node G: ceil(clients.count / G), each serving G clients as one engine group)
     run the same ClientApp as a deployment, as Ray actors (on this machine or a Ray cluster);
-    writes the same run directory as `hyperfed run`. Needs: pip install 'hyperfed[simulation]'."""
+    writes the same run directory as `hyperfed run`. Needs: pip install
+    'hyperfed\\[simulation]'."""  # \\[: rich markup in --help would drop "[simulation]"
     from hyperfed.deploy.launch import Simulated
 
     _need_flower()
