@@ -186,19 +186,26 @@ class InProcessGrid:
             for node, nc in node_configs.items()
         }
         self.sent: list[tuple[int, str, list[int]]] = []
+        self.replies: dict[str, Message] = {}
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)
 
-    def send_and_receive(self, messages: list[Message], timeout: float | None = None):
-        replies = []
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        """Deliver each message to its node's ClientApp now; the reply waits for a pull."""
+        ids = []
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Grid.push_messages
             config = msg.content.config_records.get(fl.CONFIG, ConfigRecord())
-            ids = config.get("client-ids", [config["client-id"]] if "client-id" in config else [])
-            self.sent.append((msg.metadata.dst_node_id, msg.metadata.message_type, list(ids)))
-            replies.append(fl.client_app(msg, self.contexts[msg.metadata.dst_node_id]))
-        return replies
+            ids_ = config.get("client-ids", [config["client-id"]] if "client-id" in config else [])
+            self.sent.append((msg.metadata.dst_node_id, msg.metadata.message_type, list(ids_)))
+            reply = fl.client_app(msg, self.contexts[msg.metadata.dst_node_id])
+            self.replies[msg.metadata.message_id] = reply
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: set[str]) -> list[Message]:
+        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
 
 
 def _run_in_process(cfg, tmp_path: Path, node_configs: dict[int, dict], per_node: int = 1):

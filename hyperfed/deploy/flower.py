@@ -89,6 +89,7 @@ from hyperfed.deploy.launch import (
     node_groups,
     parse_partition_ids,
 )
+from hyperfed.deploy.supernode import POLL_INTERVAL
 from hyperfed.engine.local import FlopMeter, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundResult
@@ -719,6 +720,30 @@ def describe(content: RecordDict) -> dict[str, Any]:
     return out
 
 
+# The server pulls for replies every POLL_INTERVAL seconds (the nodes ask for work as often:
+# hyperfed.deploy.supernode). Flower's Grid.send_and_receive sleeps 3 s between pulls, so
+# every message exchange cost up to 3 s on top of the nodes' own 3 s idle poll: ~11 s a
+# round for 3 loopback clients whose training takes milliseconds.
+
+
+def send_and_receive(
+    grid: Grid, messages: Sequence[Message], timeout: float | None, poll: float = POLL_INTERVAL
+) -> list[Message]:
+    """Flower's ``Grid.send_and_receive`` (push, then pull until every message is answered or
+    ``timeout`` seconds have passed; None: no limit) with ``poll`` seconds between pulls."""
+    waiting = set(grid.push_messages(messages))
+    end = None if timeout is None else time.monotonic() + timeout
+    replies: list[Message] = []
+    while waiting:
+        got = list(grid.pull_messages(waiting))
+        replies += got
+        waiting -= {m.metadata.reply_to_message_id for m in got}
+        if not waiting or (end is not None and time.monotonic() >= end):
+            break
+        time.sleep(poll)
+    return replies
+
+
 class Deployment:
     """The server side of a run: the algorithm's server role, run by the round driver
     (:mod:`hyperfed.runtime.driver`), and the Flower nodes it reaches -- this class is the
@@ -742,6 +767,7 @@ class Deployment:
         self.min_nodes = int(run_config.get(RC_MIN_NODES, nodes) or nodes)
         self.join_timeout = float(run_config.get(RC_JOIN_TIMEOUT, 300.0))
         self.round_timeout = float(run_config.get(RC_ROUND_TIMEOUT, 600.0))
+        self.poll_interval = POLL_INTERVAL
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = str(run_config.get(RC_RUN_DIR, "") or f"runs/{stamp}-flower-{cfg.algorithm.name}")
         self.run_dir = RunDir(run_dir)
@@ -790,7 +816,7 @@ class Deployment:
                 self.wire("down", kind, group, cid, node, self._view(node, msg.content, cid))
             messages.append(msg)
         replies: dict[int, RecordDict] = {}
-        received = self.grid.send_and_receive(messages, timeout=self.round_timeout)
+        received = send_and_receive(self.grid, messages, self.round_timeout, self.poll_interval)
         # a reply names the message it answers (ids are set when pushed); the SuperLink's
         # own error replies (an unreachable node) come from the SuperLink, not the node
         by_id = {msg.metadata.message_id: msg.metadata.dst_node_id for msg in messages}
@@ -885,7 +911,7 @@ class Deployment:
         nodes = self.wait_for_nodes()
         messages = [Message(RecordDict(), node, JOIN, group_id="join") for node in nodes]
         joins: dict[int, Payload] = {}
-        for reply in self.grid.send_and_receive(messages, timeout=self.join_timeout):
+        for reply in send_and_receive(self.grid, messages, self.join_timeout, self.poll_interval):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 log.warning("join: node %d failed: %s", node, (reply.error.reason or "")[:300])

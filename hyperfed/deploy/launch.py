@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hyperfed.deploy.supernode import POLL_INTERVAL
+
 if TYPE_CHECKING:
     from hyperfed.algorithms.base import Algorithm
     from hyperfed.config import ExperimentConfig
@@ -309,13 +311,15 @@ def supernode_command(
     root_certificates: Path | None = None,
     private_key: Path | None = None,
     clientapp: str = LONG_LIVED,
+    poll_interval: float = POLL_INTERVAL,
 ) -> list[str]:
     """A SuperNode serving client ``partition_id`` (a list: those clients, node config
     ``partition-ids``, trained as one engine group), its Runtime API on ``port``.
     ``insecure=False``: TLS, trusting ``root_certificates`` (None: the system's CAs), signing
     its requests with ``private_key`` (SuperNode authentication) when one is given.
     ``clientapp``: ``long-lived`` (``--isolation process``: :func:`clientapp_command` runs
-    its ClientApp) or ``per-message`` (Flower starts a ``flwr-clientapp`` per message)."""
+    its ClientApp) or ``per-message`` (Flower starts a ``flwr-clientapp`` per message).
+    ``poll_interval``: the longest the node waits between asking for work (Flower's: 3 s)."""
     if clientapp not in CLIENTAPP_MODES:
         raise ValueError(f"clientapp={clientapp!r}: must be one of {', '.join(CLIENTAPP_MODES)}")
     if insecure:
@@ -331,7 +335,12 @@ def supernode_command(
     else:
         serves = f'partition-ids="{format_partition_ids(partition_id)}"'
     return [
-        _bin("flower-supernode"),
+        # Flower's SuperNode with its 3 s / 0.5 s waits capped (hyperfed.deploy.supernode)
+        sys.executable,
+        "-m",
+        "hyperfed.deploy.supernode",
+        "--poll-interval",
+        str(poll_interval),
         *security,
         "--superlink",
         superlink,
