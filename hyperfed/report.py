@@ -251,13 +251,12 @@ def seed_table(groups: list[dict[str, Any]]) -> str:
         # the seed-mean curve's rise, as in reproduce's rows
         gain = row_gain([r.get("last_window_gain") for r in runs])
         stalled = sum(not r.get("converged") for r in runs)
-        plateau = (
-            "yes"
-            if plateaued(gain)
-            else f"not converged ({stalled} of {len(runs)} rising"
-            + ("" if gain is None else f", mean {gain:+.2f}")
-            + ")"
-        )
+        if plateaued(gain):
+            plateau = "yes"
+        elif gain is None:  # fewer than two windows of evaluations
+            plateau = "not converged (too few evaluations to tell)"
+        else:
+            plateau = f"not converged ({stalled} of {len(runs)} rising, mean {gain:+.2f})"
         lines.append(
             f"| {g['label']} | {scored} | {plateau} | {len(runs)} ({', '.join(map(str, seeds))}) | "
             + " | ".join(cells)

@@ -484,8 +484,10 @@ def _table(target: Target, result: dict[str, Any]) -> list[str]:
             plateau = "—"
         elif r["converged"]:
             plateau = "yes"
+        elif r["gain"] is None:  # a run with fewer than two windows of evaluations
+            plateau = "not converged (too few evaluations to tell)"
         else:
-            gain = "" if r["gain"] is None else f"; mean {r['gain']:+.2f} pts in the last window"
+            gain = f"; mean {r['gain']:+.2f} pts in the last window"
             rising = f"{r.get('stalled', r['n'])} of {r['n']} seeds rising"
             plateau = f"not converged ({rising}{gain})"
         lines.append(f"| {r['method']} | {r['scores']} | {ours} | {plateau} | {r['n']} | {paper} |")

@@ -81,7 +81,11 @@ def test_a_row_converges_on_its_seed_mean_curve() -> None:
     assert c["converged"] and c["gain"] == pytest.approx(0.1) and c["stalled"] == 1
     assert compare(TOY, runs)["checks"] == [{"claim": "c > a", "verdict": "holds"}]
     runs[2] = _summary("c", 0.72, False, None)
-    assert not next(r for r in compare(TOY, runs)["rows"] if r["method"] == "c")["converged"]
+    result = compare(TOY, runs)
+    assert not next(r for r in result["rows"] if r["method"] == "c")["converged"]
+    assert "| c | personalized | 71.00 ± 1.00 | not converged (too few evaluations to tell) |" in (
+        markdown(TOY, result, [0, 1])
+    )
 
 
 def test_plateau_is_the_last_tenth_of_rounds_against_the_tenth_before() -> None:
