@@ -205,7 +205,9 @@ class InProcessGrid:
         return ids
 
     def pull_messages(self, message_ids: set[str]) -> list[Message]:
-        return [self.replies.pop(i) for i in list(message_ids) if i in self.replies]
+        """The replies ready, newest first (a SuperLink promises no order)."""
+        ready = [i for i in self.replies if i in message_ids]
+        return [self.replies.pop(i) for i in reversed(ready)]
 
 
 def _run_in_process(cfg, tmp_path: Path, node_configs: dict[int, dict], per_node: int = 1):

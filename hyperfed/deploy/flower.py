@@ -911,7 +911,11 @@ class Deployment:
         nodes = self.wait_for_nodes()
         messages = [Message(RecordDict(), node, JOIN, group_id="join") for node in nodes]
         joins: dict[int, Payload] = {}
-        for reply in send_and_receive(self.grid, messages, self.join_timeout, self.poll_interval):
+        replies = send_and_receive(self.grid, messages, self.join_timeout, self.poll_interval)
+        # in node order, whatever order the replies came in: a client two nodes claim stays
+        # with the first node, the same one every run
+        rank = {node: i for i, node in enumerate(nodes)}
+        for reply in sorted(replies, key=lambda r: rank.get(r.metadata.src_node_id, len(rank))):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 log.warning("join: node %d failed: %s", node, (reply.error.reason or "")[:300])
