@@ -767,7 +767,6 @@ class Deployment:
         self.min_nodes = int(run_config.get(RC_MIN_NODES, nodes) or nodes)
         self.join_timeout = float(run_config.get(RC_JOIN_TIMEOUT, 300.0))
         self.round_timeout = float(run_config.get(RC_ROUND_TIMEOUT, 600.0))
-        self.poll_interval = POLL_INTERVAL
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = str(run_config.get(RC_RUN_DIR, "") or f"runs/{stamp}-flower-{cfg.algorithm.name}")
         self.run_dir = RunDir(run_dir)
@@ -816,7 +815,7 @@ class Deployment:
                 self.wire("down", kind, group, cid, node, self._view(node, msg.content, cid))
             messages.append(msg)
         replies: dict[int, RecordDict] = {}
-        received = send_and_receive(self.grid, messages, self.round_timeout, self.poll_interval)
+        received = send_and_receive(self.grid, messages, self.round_timeout)
         # a reply names the message it answers (ids are set when pushed); the SuperLink's
         # own error replies (an unreachable node) come from the SuperLink, not the node
         by_id = {msg.metadata.message_id: msg.metadata.dst_node_id for msg in messages}
@@ -911,7 +910,7 @@ class Deployment:
         nodes = self.wait_for_nodes()
         messages = [Message(RecordDict(), node, JOIN, group_id="join") for node in nodes]
         joins: dict[int, Payload] = {}
-        replies = send_and_receive(self.grid, messages, self.join_timeout, self.poll_interval)
+        replies = send_and_receive(self.grid, messages, self.join_timeout)
         # in node order, whatever order the replies came in: a client two nodes claim stays
         # with the first node, the same one every run
         rank = {node: i for i, node in enumerate(nodes)}
