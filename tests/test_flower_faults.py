@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
+import random
 import re
 import shutil
 import signal
@@ -150,10 +152,26 @@ def iptables_drop(port: int) -> Iterator[None]:
 class Forwarder:
     """``127.0.0.1:<port>`` -> ``127.0.0.1:<target>``, byte for byte (TLS passes through).
     ``cut()``: nothing is forwarded either way and new connections get no answer, as with a
-    pulled cable; ``heal()``: forwarding resumes. ``close()`` ends every connection."""
+    pulled cable; ``heal()``: forwarding resumes. ``close()`` ends every connection.
 
-    def __init__(self, target: int) -> None:
+    ``delay``: every chunk leaves ``delay`` seconds after it arrived, each way (chunks in
+    flight overlap, as packets on a slow link do). ``loss``: that fraction of chunks is held
+    ``retransmit`` seconds more, and everything behind it too -- what a lost segment does to
+    a TCP stream (the kernel resends it after its retransmission timeout, 200 ms at least on
+    Linux, and delivers in order). Userspace stand-ins for ``netem delay 100ms loss 5%``."""
+
+    def __init__(
+        self,
+        target: int,
+        delay: float = 0.0,
+        loss: float = 0.0,
+        retransmit: float = 0.2,
+        seed: int = 0,
+    ) -> None:
         self.target = target
+        self.delay, self.loss, self.retransmit = delay, loss, retransmit
+        self.rng = random.Random(seed)
+        self.stalls = 0  # chunks held as lost
         self.flowing = threading.Event()
         self.flowing.set()
         self.sockets: list[socket.socket] = []
@@ -187,7 +205,12 @@ class Forwarder:
             return
         self.sockets.append(up)
         for src, dst in ((conn, up), (up, conn)):
-            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            if self.delay or self.loss:
+                chunks: queue.Queue[tuple[float, bytes]] = queue.Queue()
+                threading.Thread(target=self._read, args=(src, chunks), daemon=True).start()
+                threading.Thread(target=self._send, args=(chunks, src, dst), daemon=True).start()
+            else:
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -197,9 +220,42 @@ class Forwarder:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+            self._shut(src, dst)
+
+    def _read(self, src: socket.socket, chunks: queue.Queue[tuple[float, bytes]]) -> None:
+        try:
+            while data := src.recv(65536):
+                chunks.put((time.monotonic(), data))
+        except OSError:
+            pass
+        chunks.put((time.monotonic(), b""))  # end of stream
+
+    def _send(
+        self, chunks: queue.Queue[tuple[float, bytes]], src: socket.socket, dst: socket.socket
+    ) -> None:
+        try:
+            while True:
+                arrived, data = chunks.get()
+                wait = arrived + self.delay - time.monotonic()
+                if data and self.rng.random() < self.loss:
+                    self.stalls += 1
+                    wait += self.retransmit
+                if wait > 0:
+                    time.sleep(wait)  # the queue behind waits too: in-order delivery
+                if not data:
+                    break
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            self._shut(src, dst)
+
+    @staticmethod
+    def _shut(*sockets: socket.socket) -> None:
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.closed = True
@@ -272,6 +328,28 @@ def test_delay_and_loss_leave_the_simulators_metrics(tmp_path, deployments):
         status = d.wait(d.submit(), timeout=1200)
     assert status == "finished:completed", d.logs()
     _same_metrics(expected, read_metrics(tmp_path / "run"))
+
+
+def test_emulated_delay_and_loss_leave_the_simulators_metrics(tmp_path, deployments):
+    """Where netem is missing: every node reaches the SuperLink through a forwarder that
+    delays each chunk 100 ms each way and holds 5% of them (and what follows) 200 ms more,
+    as a lost TCP segment would be. The run completes with the simulator's metrics."""
+    cfg = load_config(None, [*SETTINGS, "rounds=2", "eval_every=2"])
+    expected = Simulation(cfg).run()
+    d = _deploy(cfg, tmp_path, deployments, ids=[])
+    forwarder = Forwarder(d.port, delay=0.1, loss=0.05)
+    try:
+        for cid in range(cfg.clients.count):
+            d.supernodes.append(d.spawn_supernode(cid, superlink=f"127.0.0.1:{forwarder.port}"))
+        t0 = time.monotonic()
+        status = d.wait(d.submit(), timeout=1200)
+        seconds = time.monotonic() - t0
+    finally:
+        forwarder.close()
+    assert status == "finished:completed", d.logs()
+    assert forwarder.stalls > 0  # some chunks were held as lost
+    _same_metrics(expected, read_metrics(tmp_path / "run"))
+    print(f"\nemulated delay 100 ms + loss 5%: {forwarder.stalls} chunks held; run {seconds:.0f} s")
 
 
 # -- one node cut off -------------------------------------------------------------------------------

@@ -34,9 +34,12 @@ import threading
 import time
 from typing import Any
 
+from hyperfed.deploy.supernode import FIRST_POLL, POLL_INTERVAL, PollSchedule, shorten_object_pulls
+
 log = logging.getLogger("hyperfed.clientapp")
 
-POLL_SECONDS = 0.05  # between task requests to the SuperNode (loopback HTTP, cheap)
+# between task requests to the SuperNode: FIRST_POLL after a task, growing to this when idle
+POLL_SECONDS = POLL_INTERVAL
 
 
 def _heartbeat_fn(client: Any) -> Any:
@@ -126,7 +129,9 @@ def serve(
     stop: threading.Event | None = None,
 ) -> int:
     """Acquire and run the SuperNode's ClientApp tasks until ``stop`` is set (SIGTERM /
-    SIGINT) or ``parent_pid`` (the SuperNode) is gone; returns the tasks run."""
+    SIGINT) or ``parent_pid`` (the SuperNode) is gone; returns the tasks run. Between
+    requests that find no task it waits on a :class:`PollSchedule` (``FIRST_POLL`` after a
+    task, growing to ``poll`` seconds)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.constant import TaskType
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
@@ -134,6 +139,8 @@ def serve(
     from flwr.supercore.runtime import RuntimeHttpClient
 
     stop = stop or threading.Event()
+    shorten_object_pulls()  # the task's message is pulled from the SuperNode's object store
+    schedule = PollSchedule(FIRST_POLL, poll)
     host, _, port = address.rpartition(":")
     while not stop.is_set() and not _listening(host, int(port)):  # the SuperNode starting
         if parent_pid is not None and not _alive(parent_pid):
@@ -158,8 +165,9 @@ def serve(
             if res.HasField("task") and res.token:
                 run_task(address, res.token, insecure, certificates)
                 tasks += 1
+                schedule.reset()
                 continue  # another message may be waiting
-            stop.wait(poll)
+            stop.wait(schedule.next())
     finally:
         control.close()
     return tasks
