@@ -225,11 +225,11 @@ def unbundle(content: RecordDict) -> RecordDict:
         return content
     index = content.config_records[BUNDLE_INDEX]
     out = RecordDict({k: v for k, v in content.items() if not k.startswith("hyperfed.")})
-    tensors: dict[str, dict[str, Tensor]] = {n: {} for n in index["arrays"]}  # type: ignore[union-attr]
+    tensors: dict[str, dict[str, Tensor]] = {str(n): {} for n in index["arrays"]}  # type: ignore[union-attr]
     for key, t in unpack_tensors(content.array_records[BUNDLED_ARRAYS]).items():
         name, _, sub = key.partition("/")
         tensors[name][sub] = t
-    values: dict[str, dict[str, Any]] = {n: {} for n in index["metrics"]}  # type: ignore[union-attr]
+    values: dict[str, dict[str, Any]] = {str(n): {} for n in index["metrics"]}  # type: ignore[union-attr]
     for key, v in content.metric_records[BUNDLED_METRICS].items():
         name, _, sub = key.partition("/")
         values[name][sub] = v
@@ -789,7 +789,9 @@ def describe(content: RecordDict) -> dict[str, Any]:
                 k: {
                     "shape": list(t.shape),
                     "dtype": str(t.dtype).removeprefix("torch."),
-                    "id": hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16],
+                    "id": hashlib.sha256(
+                        t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                    ).hexdigest()[:16],
                 }
                 for k, t in unpack_tensors(rec).items()
             }
