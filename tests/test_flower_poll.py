@@ -176,3 +176,31 @@ def test_local_supernodes_run_through_the_capped_wrapper():
     assert cmd[:3] == [sys.executable, "-m", "hyperfed.deploy.supernode"]
     assert cmd[cmd.index("--poll-interval") + 1] == "0.3"
     assert cmd[cmd.index("--superlink") + 1] == "127.0.0.1:1"
+
+
+def test_the_run_status_is_asked_in_process_and_the_cli_only_when_that_fails(tmp_path):
+    """``flwr list`` is a Python start and ~1 s of CPU; polled every 2 s it took a core's
+    share from the nodes. The status comes over the Control API connection; the CLI answers
+    only when that fails (e.g. another flwr)."""
+    from hyperfed.config import load_config
+    from hyperfed.deploy.launch import LocalDeployment
+
+    cfg = load_config(None, ["dataset.name=digits", "clients.count=2"])
+    d = LocalDeployment(cfg, tmp_path / "flower", tmp_path / "run", nodes=2, num_partitions=2)
+    cli_calls: list[tuple[str, ...]] = []
+
+    def cli(*args: str, timeout: float = 120.0):  # type: ignore[no-untyped-def]
+        cli_calls.append(args)
+        out = '{"success": true, "runs": [{"run-id": 7, "status": "finished:completed"}]}'
+        return SimpleNamespace(stdout=out, returncode=0)
+
+    d.flwr = cli  # type: ignore[method-assign]
+    d._control_status = lambda run_id: "running"  # type: ignore[method-assign]
+    assert d.status(7) == "running" and cli_calls == []
+
+    def broken(run_id: int) -> str:
+        raise RuntimeError("no Control API here")
+
+    d._control_status = broken  # type: ignore[method-assign]
+    assert d.status(7) == "finished:completed"
+    assert cli_calls == [("list", "--run-id", "7", "--format", "json")]

@@ -8,7 +8,8 @@ its own process group and ``FLWR_HOME``), submits the app with ``flwr run``, fol
 with ``flwr list --format json`` (``flwr run`` exits 0 even when the run fails) and stops
 every process it started, by process group, also on errors.
 
-This module does not import ``flwr``; the processes it starts need it installed.
+This module imports ``flwr`` only to ask a run's status (``LocalDeployment.status``, falling back
+to the ``flwr`` CLI); the processes it starts need it installed.
 """
 
 from __future__ import annotations
