@@ -1,12 +1,15 @@
 """Network faults on a loopback Flower deployment (issue 39, item 2).
 
 - **delay and loss** (``tc qdisc ... netem``: 100 ms each way, 5% of packets lost, on the
-  SuperLink's port only): the run completes with the simulator's metrics;
+  SuperLink's port only; where netem is missing, the same emulated by forwarders that delay
+  each chunk and hold 5% of them as a lost TCP segment is held): the run completes with the
+  simulator's metrics;
 - **one node cut off for longer than the round timeout**: the round goes on without it (the
   server logs ``no reply from clients [2]``), it takes part again after it reconnects, and the
   run ends with the metrics of the simulator given the same outage; nothing in the run
   directory is lost or mixed. Node 2 reaches the SuperLink through a TCP forwarder of its
-  own, so a cut hits it alone. Three ways to cut it: the forwarder stops forwarding (no
+  own, so a cut hits it alone (every node's link has 0.25 s of delay, so that rounds take
+  seconds and the run outlasts the cut). Three ways to cut it: the forwarder stops forwarding (no
   kernel support needed: a pulled cable, nothing arrives, connections hang); an ``iptables``
   DROP rule on the forwarder's port (root and iptables needed); the node's processes frozen
   with SIGSTOP, then SIGCONT (a machine that hangs).
@@ -52,6 +55,7 @@ pytestmark = [
 ]
 
 ROUND_TIMEOUT = 90.0  # > a normal round trip on a loaded 2-core machine (~30 s)
+LINK_DELAY = 0.25  # seconds each way on the cut test's links: a round of seconds anywhere
 SETTINGS = [
     "device=cpu",
     "seed=0",
@@ -409,11 +413,18 @@ def test_a_node_cut_off_longer_than_the_round_timeout_is_left_out_and_rejoins(
 ):
     if how == "iptables" and (missing := iptables_missing()):
         pytest.skip(f"iptables unavailable: {missing}")
-    rounds = 7  # the SuperLink reports the node back within a few rounds of the heal
+    # The node must be back while rounds still run: the SuperLink reports it online some
+    # seconds after the heal, and a loopback round takes well under a second. So every node
+    # talks over a link of LINK_DELAY each way (a round then takes seconds, on any machine),
+    # and there are enough rounds to outlast the cut.
+    rounds = 20
     cfg = load_config(None, [*SETTINGS, f"rounds={rounds}", f"eval_every={rounds}"])
-    d = _deploy(cfg, tmp_path, deployments, ids=[0, 1])
-    forwarder = Forwarder(d.port)
+    d = _deploy(cfg, tmp_path, deployments, ids=[])
+    slow = Forwarder(d.port, delay=LINK_DELAY)
+    forwarder = Forwarder(d.port, delay=LINK_DELAY)
     try:
+        for cid in (0, 1):
+            d.supernodes.append(d.spawn_supernode(cid, superlink=f"127.0.0.1:{slow.port}"))
         node = d.spawn_supernode(2, superlink=f"127.0.0.1:{forwarder.port}")
         d.supernodes.append(node)
         run_id = d.submit()
@@ -436,6 +447,7 @@ def test_a_node_cut_off_longer_than_the_round_timeout_is_left_out_and_rejoins(
         assert status == "finished:completed", d.logs()
     finally:
         forwarder.close()
+        slow.close()
     assert seconds_cut > ROUND_TIMEOUT
 
     run = tmp_path / "run"

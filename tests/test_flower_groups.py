@@ -187,6 +187,8 @@ class InProcessGrid:
         }
         self.sent: list[tuple[int, str, list[int]]] = []
         self.replies: dict[str, Message] = {}
+        # per group message: (the message bundled, its reply bundled) as they crossed
+        self.bundled: list[tuple[bool, bool]] = []
 
     def get_node_ids(self) -> list[int]:
         return list(self.contexts)
@@ -200,6 +202,13 @@ class InProcessGrid:
             ids_ = config.get("client-ids", [config["client-id"]] if "client-id" in config else [])
             self.sent.append((msg.metadata.dst_node_id, msg.metadata.message_type, list(ids_)))
             reply = fl.client_app(msg, self.contexts[msg.metadata.dst_node_id])
+            if "client-ids" in config:
+                self.bundled.append(
+                    (
+                        fl.BUNDLE_INDEX in msg.content.config_records,
+                        fl.BUNDLE_INDEX in reply.content.config_records,
+                    )
+                )
             self.replies[msg.metadata.message_id] = reply
             ids.append(msg.metadata.message_id)
         return ids
@@ -295,6 +304,8 @@ def test_two_nodes_of_two_fedper_clients_give_the_simulators_metrics_and_bytes(
     _only_own_clients(grid, deployment)
     trains = [(node, ids) for node, kind, ids in grid.sent if kind == fl.TRAIN]
     assert sorted(trains) == [(11, [0, 1]), (11, [0, 1]), (12, [2, 3]), (12, [2, 3])]
+    # every group message and every reply to one crossed bundled (a few objects, not 4 a client)
+    assert grid.bundled and all(down and up for down, up in grid.bundled)
     # each node keeps one state record per client (the head stays on the node): the
     # simulator's state of that client
     for node, ids in ((11, [0, 1]), (12, [2, 3])):
