@@ -15,6 +15,7 @@ entries 16..30: weight row-major, then bias), never read back from the method.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import pytest
@@ -185,11 +186,13 @@ def _count_server_steps(server: FedGHServer, monkeypatch: pytest.MonkeyPatch) ->
     rows = {tuple(r.tolist()): i for i, (r, _) in enumerate(PAIRS)}
     step = fedgh.header_step
 
-    def counted(header: torch.nn.Linear, reps: Tensor, onehot: Tensor, lr: float) -> None:
+    def counted(
+        header: torch.nn.Linear, reps: Tensor, onehot: Tensor, lr: float, clip: float
+    ) -> None:
         batches.append([rows[tuple(r.tolist())] for r in reps.float()])
         labels = [PAIRS[i][1] for i in batches[-1]]
         assert onehot.argmax(1).tolist() == labels  # each LAR keeps its class
-        step(header, reps, onehot, lr)
+        step(header, reps, onehot, lr, clip)
 
     monkeypatch.setattr(fedgh, "header_step", counted)
     server.aggregate(1, REPLIES)
@@ -302,3 +305,36 @@ def test_malformed_lar_replies_are_rejected() -> None:
     assert server.check_reply(0, bad_class) is not None
     nan = {**good, "protos": good["protos"].clone().fill_(float("nan"))}
     assert server.check_reply(0, nan) is not None
+
+
+def test_the_header_step_clips_its_gradient_norm_as_the_authors_code():
+    """One LAR of norm 1e10 (a client whose local training exploded, 000:table2 seed 2): from
+    a zero header the gradient is (softmax(0) - e_s) R, norm ~0.95e10 -- unclipped, one step at
+    lr 0.01 moves the header by ~1e8; clipped at 50 (LipingYi/FedGH's clip_grad_norm_) by
+    exactly lr * 50. A gradient below the clip is the plain SGD step."""
+    rep = torch.zeros(1, 4)
+    rep[0, 0] = 1e10
+    onehot = torch.tensor([[1.0, 0.0, 0.0]])
+    err = torch.tensor([[1 / 3 - 1, 1 / 3, 1 / 3]])  # softmax(0) - e_s, n = 1
+    full = torch.sqrt((err.T @ rep).square().sum() + err.square().sum())
+
+    def moved(clip: float) -> float:
+        header = torch.nn.Linear(4, 3)
+        torch.nn.init.zeros_(header.weight)
+        torch.nn.init.zeros_(header.bias)
+        with torch.no_grad():  # as in the server's aggregate
+            fedgh.header_step(header, rep, onehot, 0.01, clip)
+        return float(torch.sqrt(header.weight.square().sum() + header.bias.square().sum()))
+
+    assert moved(math.inf) == pytest.approx(0.01 * float(full), rel=1e-4)
+    assert moved(50.0) == pytest.approx(0.01 * 50.0, rel=1e-4)
+    assert FedGHParams().server_clip == 50.0
+    small = torch.tensor([[0.5, -0.2, 0.1, 0.3]])  # gradient norm < 1: the clip does nothing
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        fedgh.header_step(a, small, onehot, 0.01, 50.0)
+        fedgh.header_step(b, small, onehot, 0.01, math.inf)
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+    with pytest.raises(ValueError, match="server_clip must be > 0"):
+        FedGHParams(server_clip=0.0)
