@@ -79,6 +79,8 @@ _SEED000_CPU = ("clients.count=20", "local.lr=0.05", "rounds=60", "eval_every=3"
 # Seed 002 at CPU scale: the configs' N = 10, C = 100% column with the paper's T = 100 for
 # C = 100% (§10); 2 classes per client, 480 training images each (1/10 of CIFAR-10's 4800).
 _SEED002_CPU = ("rounds=100", "eval_every=5")
+# Tables 2 and 3 share their rows (Standalone = local)
+_SEED002_METHODS = ("local", "fml", "fedkd", "lg_fedavg", "fd", "fedproto", "pfedes")
 TARGETS: dict[str, Target] = {
     t.key: t
     for t in [
@@ -263,7 +265,7 @@ TARGETS: dict[str, Target] = {
             "002:table2",
             "seed 002 Table 2: pFedES, model-homogeneous (CNN-1 for every client)",
             "pfedes_fmnist_homo.toml",
-            ("local", "fml", "fedkd", "lg_fedavg", "fd", "fedproto", "pfedes"),
+            _SEED002_METHODS,
             ("pfedes",),
             # the paper's T for C = 100% ("to ensure that all algorithms converge", §10)
             cpu=_SEED002_CPU,
@@ -282,7 +284,7 @@ TARGETS: dict[str, Target] = {
             "002:table3",
             "seed 002 Table 3: pFedES, model-heterogeneous (CNN-1..5)",
             "pfedes_fmnist_hetero.toml",
-            ("local", "fml", "fedkd", "lg_fedavg", "fd", "fedproto", "pfedes"),
+            _SEED002_METHODS,
             ("pfedes",),
             cpu=_SEED002_CPU,
             paper={
