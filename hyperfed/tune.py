@@ -214,6 +214,15 @@ def require_optuna() -> None:
         raise TuneError("tuning needs Optuna, which is not installed; pip install 'hyperfed[tune]'")
 
 
+def study_identity(meta: dict[str, Any]) -> dict[str, Any]:
+    """What makes two studies the same: config, search space and the ``--set`` overrides of
+    keys the study does not search (every trial sets the searched ones itself, so a target
+    whose fixed ``local.lr`` changed still owns its finished lr study)."""
+    searched = set(meta.get("space") or ())
+    sets = [s for s in meta.get("sets") or () if s.split("=", 1)[0] not in searched]
+    return {**meta, "sets": sets}
+
+
 def tune(
     folder: Path,
     request: TuneRequest,
@@ -234,7 +243,7 @@ def tune(
     wanted = {"config": str(request.config), "sets": list(request.sets), "space": sorted(space)}
     if meta.exists():
         before = json.loads(meta.read_text())
-        if {k: before.get(k) for k in wanted} != wanted:
+        if study_identity({k: before.get(k) for k in wanted}) != study_identity(wanted):
             raise TuneError(
                 f"{folder}: holds a study of another config or search space; "
                 "choose another --out or delete it"

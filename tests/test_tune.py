@@ -97,6 +97,20 @@ def test_a_killed_study_resumes_without_repeating_finished_trials(
     assert calls == []
 
 
+def test_a_study_ignores_a_changed_fixed_value_of_a_key_it_searches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each trial sets ``local.lr`` itself, so the study of a target whose fixed lr changed is
+    still that target's study (resumed, not refused); any other changed --set is refused."""
+    monkeypatch.setattr(tune_mod, "validation_curve", lambda cfg, report=None: cfg.local.lr)
+    folder = tmp_path / "study"
+    tune(folder, TuneRequest(None, (*TINY, "local.lr=0.05"), trials=1))
+    again = tune(folder, TuneRequest(None, (*TINY, "local.lr=0.03"), trials=2))
+    assert again["completed"] == 2
+    with pytest.raises(TuneError, match="holds a study of another config"):
+        tune(folder, TuneRequest(None, (*TINY, "local.lr=0.03", "rounds=4"), trials=2))
+
+
 def test_bad_requests_fail_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(TuneError, match="--trials 0: need at least 1"):
         tune(tmp_path / "s", TuneRequest(None, TINY, trials=0))
