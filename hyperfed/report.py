@@ -118,6 +118,10 @@ def run_summary(path: str | Path) -> dict[str, Any]:
         "scores": final.get("scores", "?"),
         "last_window_gain": gain,
         "converged": plateaued(gain),
+        # evaluated rounds whose training loss was NaN / Inf, and client updates the server
+        # rejected: either one in a default configuration is a bug, and the run ranks nothing
+        "nonfinite_rounds": sum(bool(r.get("nonfinite_loss")) for r in records),
+        "rejected_updates": sum(_count(r.get("rejected")) for r in records),
         "final_mean_acc": final["mean_acc"],
         "final_weighted_acc": final["weighted_acc"],
         "min_acc": final["min_acc"],
@@ -137,6 +141,11 @@ def run_summary(path: str | Path) -> dict[str, Any]:
     }
 
 
+def _count(value: Any) -> int:
+    """A record's ``rejected`` field: a list of client ids (a count in older records)."""
+    return len(value) if isinstance(value, list) else int(value or 0)
+
+
 def first_reaching(records: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
     """The first evaluated round whose mean accuracy reaches ``target``."""
     return next((r for r in records if r["mean_acc"] >= target), None)
@@ -148,11 +157,22 @@ def rounds_to_reach(records: list[dict[str, Any]], target: float) -> int | None:
 
 
 def plateau_cell(s: dict[str, Any]) -> str:
-    """ "yes", or "not converged (+g)" with the last window's gain in points."""
+    """ "yes", or "not converged (+g)" with the last window's gain in points; a run whose
+    training went non-finite or had updates rejected says so."""
     gain = s.get("last_window_gain")
-    if gain is None:
-        return "too few evaluations"
-    return "yes" if s.get("converged") else f"not converged ({gain:+.2f})"
+    cell = (
+        "too few evaluations"
+        if gain is None
+        else "yes"
+        if s.get("converged")
+        else f"not converged ({gain:+.2f})"
+    )
+    if s.get("nonfinite_rounds") or s.get("rejected_updates"):
+        cell += (
+            f"; **non-finite loss in {s.get('nonfinite_rounds', 0)} evaluated rounds, "
+            f"{s.get('rejected_updates', 0)} updates rejected**"
+        )
+    return cell
 
 
 def markdown_table(summaries: list[dict[str, Any]], target: float | None = None) -> str:

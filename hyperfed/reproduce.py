@@ -447,6 +447,10 @@ def compare(
                 "converged": plateaued(row_gain(gains)),
                 "stalled": sum(not s.get("converged") for s in runs),
                 "gain": row_gain(gains),
+                # seeds whose training went non-finite or had an update rejected
+                "unsound": sum(
+                    bool(s.get("nonfinite_rounds") or s.get("rejected_updates")) for s in runs
+                ),
             }
         )
     by_name = {r["method"]: r for r in rows if r["mean"] is not None}
@@ -457,6 +461,10 @@ def compare(
         elif other := [m for m in (a, b) if not _on_protocol(target, by_name[m])]:
             # a ranking counts only between rows scored under the same declared protocol
             verdict = "other protocol: " + ", ".join(other)
+        elif unsound := [m for m in (a, b) if by_name[m]["unsound"]]:
+            # a run whose loss went NaN / Inf or whose updates were rejected measures the
+            # failure, not the method (a bug in a default configuration)
+            verdict = "non-finite training: " + ", ".join(unsound)
         elif stalled := [m for m in (a, b) if not by_name[m]["converged"]]:
             # a ranking counts only between rows that converged in the rounds given
             verdict = "not converged: " + ", ".join(stalled)
@@ -527,6 +535,10 @@ def _table(target: Target, result: dict[str, Any]) -> list[str]:
     ]
     for r in result["rows"]:
         ours = "not run" if r["mean"] is None else f"{r['mean']:.2f} ± {r['std']:.2f}"
+        if r.get("unsound"):
+            ours += (
+                f" (non-finite training or rejected updates in {r['unsound']} of {r['n']} seeds)"
+            )
         paper = "—" if r["paper"] is None else f"{r['paper']:.2f}"
         if r["mean"] is None:
             plateau = "—"
@@ -544,8 +556,8 @@ def _table(target: Target, result: dict[str, Any]) -> list[str]:
     lines += [
         "",
         f"Orderings the paper claims: {held} of {len(result['checks'])} hold here "
-        f"({judged} judged: between converged rows on one protocol, apart by more than "
-        "either row's std over seeds; the rest are marked).",
+        f"({judged} judged: between converged rows on one protocol whose training stayed "
+        "finite, apart by more than either row's std over seeds; the rest are marked).",
         "",
     ]
     lines += ["| the paper reports | here |", "|---|---|"]

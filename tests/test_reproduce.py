@@ -72,6 +72,42 @@ def test_a_row_that_has_not_plateaued_is_not_ranked() -> None:
     assert "0 of 1 hold here (0 judged: between converged rows on one protocol" in text
 
 
+def test_a_row_whose_training_went_non_finite_is_not_ranked() -> None:
+    """One seed of a lost a client to NaN (its accuracy pulled down to 0.60): c at 0.70 would
+    "hold" over a on the means, but a diverged run measures the failure, so nothing is
+    ranked against a and its row says why; the same for a rejected client update."""
+    bad = {**_summary("a", 0.58), "nonfinite_rounds": 3, "rejected_updates": 0}
+    runs = [_summary("a", 0.60), bad, _summary("c", 0.70), _summary("c", 0.70)]
+    result = compare(TOY, runs)
+    assert result["checks"] == [{"claim": "c > a", "verdict": "non-finite training: a"}]
+    text = markdown(TOY, result, [0, 1])
+    assert (
+        "| a | global | 59.00 ± 1.00 (non-finite training or rejected updates in 1 of 2 seeds) |"
+        in text
+    )
+    runs[1] = {**_summary("a", 0.58), "nonfinite_rounds": 0, "rejected_updates": 2}
+    assert compare(TOY, runs)["checks"][0]["verdict"] == "non-finite training: a"
+    runs[1] = {**_summary("a", 0.58), "nonfinite_rounds": 0, "rejected_updates": 0}
+    assert compare(TOY, runs)["checks"][0]["verdict"] == "holds"
+
+
+def test_a_run_summary_counts_non_finite_rounds_and_rejected_updates(tmp_path: Path) -> None:
+    import json
+
+    from hyperfed.report import plateau_cell, run_summary
+
+    base = {"mean_acc": 0.5, "weighted_acc": 0.5, "min_acc": 0, "max_acc": 1, "std_acc": 0}
+    rows = [
+        {**base, "round": 1, "nonfinite_loss": False, "rejected": []},
+        {**base, "round": 2, "nonfinite_loss": True, "rejected": [3, 4]},
+        {**base, "round": 3, "nonfinite_loss": True, "rejected": [3]},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = run_summary(tmp_path)
+    assert (s["nonfinite_rounds"], s["rejected_updates"]) == (2, 3)
+    assert "non-finite loss in 2 evaluated rounds, 3 updates rejected" in plateau_cell(s)
+
+
 def test_a_row_converges_on_its_seed_mean_curve() -> None:
     """One seed's last window up 0.6 points, the other's down 0.4: the seed-mean curve rose
     0.1 < 0.5, so the row has plateaued (a noisy seed alone does not stop the ranking); a row
