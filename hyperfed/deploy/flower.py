@@ -136,24 +136,37 @@ def pack_tensors(tensors: Mapping[str, Tensor]) -> ArrayRecord:
         layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape)])
         parts.append(t.reshape(-1).view(torch.uint8))
     data = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    return _packed(data.numpy(), layout)
+
+
+def _packed(data: np.ndarray, layout: list[list[Any]]) -> ArrayRecord:
     meta = np.frombuffer(json.dumps(layout).encode(), dtype=np.uint8).copy()
-    return ArrayRecord({PACKED: Array(data.numpy()), LAYOUT: Array(meta)})
+    return ArrayRecord({PACKED: Array(data), LAYOUT: Array(meta)})
 
 
-def unpack_tensors(record: ArrayRecord, device: torch.device | str = "cpu") -> dict[str, Tensor]:
-    """Inverse of :func:`pack_tensors`."""
+def _unpacked(record: ArrayRecord) -> tuple[np.ndarray, list[list[Any]]]:
+    """A packed record's bytes and layout (refused in one line if it is not one)."""
     if set(record) != {PACKED, LAYOUT}:
         raise ValueError(
             f"not a hyperfed tensor record (arrays {sorted(record)}): the sender runs another "
             "hyperfed version; run the same version on the server and every node"
         )
-    layout = json.loads(record[LAYOUT].numpy().tobytes())
-    data = torch.from_numpy(np.array(record[PACKED].numpy(), copy=True))
+    return record[PACKED].numpy(), json.loads(record[LAYOUT].numpy().tobytes())
+
+
+def _nbytes(dtype_name: str, shape: list[int]) -> int:
+    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype_name)).element_size()
+
+
+def unpack_tensors(record: ArrayRecord, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+    """Inverse of :func:`pack_tensors`."""
+    raw, layout = _unpacked(record)
+    data = torch.from_numpy(np.array(raw, copy=True))
     out: dict[str, Tensor] = {}
     offset = 0
     for name, dtype_name, shape in layout:
         dtype = getattr(torch, dtype_name)
-        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        size = _nbytes(dtype_name, shape)
         # clone: a fresh, aligned buffer for the dtype's view (an empty one has no bytes to view)
         part = (
             data[offset : offset + size].clone().view(dtype)
@@ -199,42 +212,55 @@ BUNDLE_INDEX = "hyperfed.records"  # ConfigRecord: arrays / metrics -> the recor
 
 
 def bundle(content: RecordDict) -> RecordDict:
-    """``content`` with its (packed) ArrayRecords and its MetricRecords merged: see above."""
+    """``content`` with its (packed) ArrayRecords and its MetricRecords merged: see above. The
+    packed records' bytes are joined as they are (one copy, no tensor is rebuilt)."""
     out = RecordDict()
-    tensors: dict[str, Tensor] = {}
+    parts: list[np.ndarray] = []
+    layout: list[list[Any]] = []
     values: dict[str, Any] = {}
     index: dict[str, list[str]] = {"arrays": [], "metrics": []}
     for name, rec in content.items():
         if isinstance(rec, ArrayRecord):
             index["arrays"].append(name)
-            tensors.update({f"{name}/{k}": t for k, t in unpack_tensors(rec).items()})
+            data, entries = _unpacked(rec)
+            parts.append(data.reshape(-1))
+            layout += [[f"{name}/{k}", dtype, shape] for k, dtype, shape in entries]
         elif isinstance(rec, MetricRecord):
             index["metrics"].append(name)
             values.update({f"{name}/{k}": v for k, v in rec.items()})
         else:
             out[name] = rec
-    out[BUNDLED_ARRAYS] = pack_tensors(tensors)
+    joined = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+    out[BUNDLED_ARRAYS] = _packed(joined, layout)
     out[BUNDLED_METRICS] = MetricRecord(values)
     out[BUNDLE_INDEX] = ConfigRecord(index)  # type: ignore[arg-type]
     return out
 
 
 def unbundle(content: RecordDict) -> RecordDict:
-    """Inverse of :func:`bundle`; a content that is not bundled comes back as it is."""
+    """Inverse of :func:`bundle` (each record's bytes sliced back out, not re-packed); a
+    content that is not bundled comes back as it is."""
     if BUNDLE_INDEX not in content.config_records:
         return content
     index = content.config_records[BUNDLE_INDEX]
     out = RecordDict({k: v for k, v in content.items() if not k.startswith("hyperfed.")})
-    tensors: dict[str, dict[str, Tensor]] = {str(n): {} for n in index["arrays"]}  # type: ignore[union-attr]
-    for key, t in unpack_tensors(content.array_records[BUNDLED_ARRAYS]).items():
+    data, layout = _unpacked(content.array_records[BUNDLED_ARRAYS])
+    spans: dict[str, list[int]] = {str(n): [0, 0] for n in index["arrays"]}  # type: ignore[union-attr]
+    entries: dict[str, list[list[Any]]] = {name: [] for name in spans}
+    offset = 0
+    for key, dtype, shape in layout:  # each record's tensors lie together, in order
         name, _, sub = key.partition("/")
-        tensors[name][sub] = t
+        if not entries[name]:
+            spans[name][0] = offset
+        entries[name].append([sub, dtype, shape])
+        offset += _nbytes(dtype, shape)
+        spans[name][1] = offset
     values: dict[str, dict[str, Any]] = {str(n): {} for n in index["metrics"]}  # type: ignore[union-attr]
     for key, v in content.metric_records[BUNDLED_METRICS].items():
         name, _, sub = key.partition("/")
         values[name][sub] = v
-    for name, group in tensors.items():
-        out[name] = pack_tensors(group)
+    for name, (start, end) in spans.items():
+        out[name] = _packed(data[start:end].copy(), entries[name])
     for name, metrics in values.items():
         out[name] = MetricRecord(metrics)
     return out
