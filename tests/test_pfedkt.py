@@ -653,6 +653,34 @@ def test_first_order_mode_trains_theta_then_updates_phi_once():
     assert torch.equal(new_state["hn_t"], torch.ones(2, dtype=new_state["hn_t"].dtype))
 
 
+def test_several_hypernetwork_steps_each_start_from_the_moved_output():
+    """first_order with hn_steps = 3: phi takes three Eq. 1 / Eq. 10 steps, each with
+    delta = h(v; phi_i) - omega_k^t from the hypernetwork as moved so far (by hand); the
+    trained model itself is the same as with one step, and the regenerated model ends closer
+    to it than after one step (what the extra steps are for)."""
+    n, xs, ys, data, fm, _, _, state = _e2e_setup(None)
+    glob = torch.randn(K_LIN, dtype=torch.float64)
+    out = {}
+    for steps in (1, 3):
+        hp = PFedKTParams(
+            mu=0.3, alpha=5.0, hn_training="first_order", hn_lr=0.02, hn_steps=steps, **HN_SHAPE
+        )
+        client = PFedKTClient(hp, ClientContext(0, torch.device("cpu"), N_CLS, (D_IN,)))
+        out[steps] = _fit_each(client, fm, data, n, dict(state), glob, 1)
+    (trained1, state1, _), (trained3, state3, _) = out[1], out[3]
+    assert torch.allclose(trained1, trained3, rtol=1e-12, atol=1e-14)
+    for c in range(2):
+        phi = state["hn"][c]
+        for _ in range(3):
+            phi = _hn_step_by_hand(phi, _hn_generate(phi), trained3[c], 0.02)
+        assert torch.allclose(state3["hn"][c], phi, rtol=1e-8, atol=1e-11)
+        gap1 = (_hn_generate(state1["hn"][c]) - trained1[c]).norm()
+        gap3 = (_hn_generate(state3["hn"][c]) - trained3[c]).norm()
+        assert gap3 < gap1
+    with pytest.raises(ValueError, match="hn_steps=0"):
+        PFedKTParams(hn_steps=0)
+
+
 def test_end_to_end_flops_count_the_hypernetwork_at_every_step():
     """FLOPs by hand: each end-to-end step adds the generation F and its backward into both
     operands of every product (2F) to the target model's step, and the trained model is

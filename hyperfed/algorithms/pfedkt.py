@@ -115,6 +115,10 @@ class PFedKTParams:
       update (the trained change is ~1).
     - ``hn_optimizer``: ``sgd`` (Eq. 10 is a plain gradient step) or ``adam``; the paper does
       not name one. ``hn_momentum`` applies to ``sgd``.
+    - ``hn_steps``: Eq. 10 steps a round in ``first_order`` mode (Alg. 1: one). With k > 1
+      each step starts from the moved hypernetwork's output, ``delta = h(v; phi) - omega_k^t``,
+      so the hypernetwork absorbs more of the trained model before next round regenerates it
+      (issue 37's "several hypernetwork steps per round" reading).
     - ``hn_init``: how the hypernetwork starts (the paper does not say). ``target``: embeddings
       N(0, 1) and ``nn.Linear`` default init, with the output layer rescaled so the first
       generated model has the standard deviation of the target model's own initialization
@@ -148,6 +152,7 @@ class PFedKTParams:
         "None = per mode: adam for end_to_end (issue 21's probe), sgd for first_order (Eq. 10)",
     )
     hn_momentum: float = paper(0.0, "seed 001 Eq. 10 (a plain gradient step)")
+    hn_steps: int = paper(1, "seed 001 Alg. 1 (one Eq. 10 step a round; first_order only)")
     hn_init: str = chosen(
         "target", "the paper gives no init; 'linear' (plain nn.Linear) diverged on kt_cnn"
     )
@@ -179,6 +184,8 @@ class PFedKTParams:
             raise ValueError(f"mu={self.mu}; allowed: 0 <= mu < 1")
         if self.alpha < 0 or self.tau <= 0 or (self.hn_lr is not None and self.hn_lr <= 0):
             raise ValueError("alpha must be >= 0, tau and hn_lr > 0")
+        if self.hn_steps < 1:
+            raise ValueError(f"hn_steps={self.hn_steps}; need at least 1 (Alg. 1: one)")
         if min(self.chunk, self.emb_dim, self.hidden) < 1 or self.n_hidden < 0:
             raise ValueError("chunk, emb_dim, hidden must be >= 1 and n_hidden >= 0")
 
@@ -332,8 +339,12 @@ class PFedKTClient(Client):
         )
         new_state = {**state, "theta_prev": theta, "buffers": buffers}
         if hn is not None:
+            phi, generated = state["hn"], theta0
             with FlopMeter.counting():
-                phi, opt_state = update(hn, self.opt, state["hn"], theta0, theta, opt_state)
+                for step in range(hp.hn_steps):  # Eq. 10, from the moved phi after the first
+                    if step:
+                        generated = hn.generate(phi).detach()
+                    phi, opt_state = update(hn, self.opt, phi, generated, theta, opt_state)
             new_state.update(hn=phi.detach(), **opt_state)
         return {"theta": theta}, new_state, loss
 
