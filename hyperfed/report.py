@@ -141,6 +141,11 @@ def run_summary(path: str | Path) -> dict[str, Any]:
     }
 
 
+def unsound(summary: dict[str, Any]) -> bool:
+    """Whether a run's training went non-finite or had an update rejected (it ranks nothing)."""
+    return bool(summary.get("nonfinite_rounds") or summary.get("rejected_updates"))
+
+
 def _count(value: Any) -> int:
     """A record's ``rejected`` field: a list of client ids (a count in older records)."""
     return len(value) if isinstance(value, list) else int(value or 0)
@@ -167,7 +172,7 @@ def plateau_cell(s: dict[str, Any]) -> str:
         if s.get("converged")
         else f"not converged ({gain:+.2f})"
     )
-    if s.get("nonfinite_rounds") or s.get("rejected_updates"):
+    if unsound(s):
         cell += (
             f"; **non-finite loss in {s.get('nonfinite_rounds', 0)} evaluated rounds, "
             f"{s.get('rejected_updates', 0)} updates rejected**"

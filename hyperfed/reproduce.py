@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hyperfed.errors import HyperfedError
-from hyperfed.report import METRIC_NOTE, plateaued, row_gain
+from hyperfed.report import METRIC_NOTE, plateaued, row_gain, unsound
 
 if TYPE_CHECKING:
     from hyperfed.sweep import SweepPoint
@@ -448,9 +448,7 @@ def compare(
                 "stalled": sum(not s.get("converged") for s in runs),
                 "gain": row_gain(gains),
                 # seeds whose training went non-finite or had an update rejected
-                "unsound": sum(
-                    bool(s.get("nonfinite_rounds") or s.get("rejected_updates")) for s in runs
-                ),
+                "unsound": sum(unsound(s) for s in runs),
             }
         )
     by_name = {r["method"]: r for r in rows if r["mean"] is not None}
@@ -461,10 +459,10 @@ def compare(
         elif other := [m for m in (a, b) if not _on_protocol(target, by_name[m])]:
             # a ranking counts only between rows scored under the same declared protocol
             verdict = "other protocol: " + ", ".join(other)
-        elif unsound := [m for m in (a, b) if by_name[m]["unsound"]]:
+        elif broken := [m for m in (a, b) if by_name[m]["unsound"]]:
             # a run whose loss went NaN / Inf or whose updates were rejected measures the
             # failure, not the method (a bug in a default configuration)
-            verdict = "non-finite training: " + ", ".join(unsound)
+            verdict = "non-finite training: " + ", ".join(broken)
         elif stalled := [m for m in (a, b) if not by_name[m]["converged"]]:
             # a ranking counts only between rows that converged in the rounds given
             verdict = "not converged: " + ", ".join(stalled)
