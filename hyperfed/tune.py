@@ -5,7 +5,10 @@ its paper tunes, declared beside its hyperparameters (``Algorithm.tune``, a name
 map), with the same number of trials for every method. A trial is one run of the config with
 the trial's values; its score is the mean over clients of their validation accuracy at the
 final round (intermediate validation accuracies feed Optuna's median pruner). **The test split
-is never evaluated while tuning**: the trial runs only evaluate ``"val"``.
+is never evaluated while tuning**: the trial runs only evaluate ``"val"``. A trial whose training
+diverges (a client's loss non-finite, or an update rejected) is pruned at that round instead of
+running its remaining rounds: ``reproduce`` would not rank such a run ("unsound"), so its score
+cannot be the best; ``trials.json`` records the round (``diverged_round``).
 
 The study lives in its folder (``study.db``, SQLite), so a killed study resumes: finished and
 pruned trials are kept, a trial that was running when the study died is run again with the same
@@ -46,6 +49,14 @@ DEFAULT_VAL_FRACTION = 0.15
 
 class TuneError(HyperfedError, ValueError):
     """A bad tuning request (one line, for the CLI)."""
+
+
+class TrainingDiverged(Exception):
+    """A trial's round ended with a non-finite client loss or a rejected update."""
+
+    def __init__(self, round: int, reason: str) -> None:
+        super().__init__(f"round {round}: {reason}")
+        self.round = round
 
 
 def search_space(algorithm_name: str) -> dict[str, Space]:
@@ -114,11 +125,15 @@ def suggest(trial: optuna.Trial, space: dict[str, Space]) -> dict[str, Any]:
 
 
 def validation_curve(
-    cfg: ExperimentConfig, report: Callable[[int, float], None] | None = None
+    cfg: ExperimentConfig,
+    report: Callable[[int, float], None] | None = None,
+    stop_on_divergence: bool = True,
 ) -> float:
     """Run ``cfg`` without a run directory, evaluating only the validation split every
     ``eval_every`` rounds and after the last; ``report(round, val_mean_acc)`` after each (it
-    may raise to stop the run). Returns the final round's validation mean accuracy."""
+    may raise to stop the run). Returns the final round's validation mean accuracy. With
+    ``stop_on_divergence``, raises :class:`TrainingDiverged` after the first round whose
+    training loss was non-finite or whose updates were rejected."""
     from hyperfed.runtime.simulate import Simulation
 
     if cfg.partition.val_fraction <= 0:
@@ -128,7 +143,14 @@ def validation_curve(
         sim.run_setup()
         acc = math.nan
         for rnd in range(1, cfg.rounds + 1):
-            sim.run_round(rnd)
+            result = sim.run_round(rnd)
+            if stop_on_divergence and (result.nonfinite_loss or result.rejected):
+                reason = (
+                    "non-finite training loss"
+                    if result.nonfinite_loss
+                    else f"{len(result.rejected)} update(s) rejected"
+                )
+                raise TrainingDiverged(rnd, reason)
             if rnd % cfg.eval_every == 0 or rnd == cfg.rounds:
                 acc = float(sim.evaluate("val")["mean_acc"])
                 if report is not None:
@@ -149,7 +171,11 @@ def _objective(request: TuneRequest, space: dict[str, Space]) -> Callable[[Any],
             if trial.should_prune():
                 raise optuna.TrialPruned(f"round {rnd}: val acc {acc:.4f} below the median")
 
-        acc = validation_curve(request.trial_config(values), report)
+        try:
+            acc = validation_curve(request.trial_config(values), report)
+        except TrainingDiverged as diverged:
+            trial.set_user_attr("diverged_round", diverged.round)
+            raise optuna.TrialPruned(f"training diverged at {diverged}") from None
         if not math.isfinite(acc):
             raise optuna.TrialPruned("non-finite validation accuracy")
         return acc
@@ -291,6 +317,8 @@ def tune(
 
 def _trial_line(trial: optuna.trial.FrozenTrial) -> str:
     value = "pruned" if trial.value is None else f"val {trial.value:.4f}"
+    if "diverged_round" in trial.user_attrs:
+        value = f"diverged at round {trial.user_attrs['diverged_round']}"
     return f"trial {trial.number}: {value}"
 
 
@@ -298,18 +326,19 @@ def write_outputs(folder: Path, study: optuna.Study, space: dict[str, Space]) ->
     """``best.toml``, ``trials.json`` and Optuna's plots for the study in ``folder``."""
     from optuna.trial import TrialState
 
+    trials = [
+        {"number": t.number, "state": t.state.name, "value": t.value, "params": t.params}
+        | {k: v for k, v in t.user_attrs.items() if k == "diverged_round"}
+        for t in study.trials
+    ]
+    (folder / "trials.json").write_text(json.dumps(trials, indent=1))
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
     if not complete:
-        raise TuneError(f"{folder}: no trial completed (all pruned or failed)")
+        raise TuneError(f"{folder}: no trial completed (all pruned or failed; see trials.json)")
     best = study.best_trial
     lines = [f"# hyperfed tune: best of {len(complete)} completed trials, val acc {best.value:.4f}"]
     lines += _toml_fragment(best.params)
     (folder / "best.toml").write_text("\n".join(lines) + "\n")
-    trials = [
-        {"number": t.number, "state": t.state.name, "value": t.value, "params": t.params}
-        for t in study.trials
-    ]
-    (folder / "trials.json").write_text(json.dumps(trials, indent=1))
     _plots(folder, study, len(space))
     return {"best": best.params, "value": best.value, "completed": len(complete)}
 

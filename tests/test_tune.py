@@ -4,6 +4,7 @@ repeating a finished trial."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -187,3 +188,35 @@ def test_reproduce_tuned_gives_every_method_the_same_trials_and_runs_its_best(
     result = compare(target, [])
     text = markdown(target, result, [0, 1], result, 3)
     assert "### Default hyperparameters" in text and "### Tuned: 3 trials per method" in text
+
+
+def test_a_diverging_trial_is_pruned_at_its_first_non_finite_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hyperfed.runtime.simulate import Simulation
+
+    rounds_run: list[int] = []
+    run_round = Simulation.run_round
+
+    def spy(self: Simulation, rnd: int):  # type: ignore[no-untyped-def]
+        rounds_run.append(rnd)
+        return run_round(self, rnd)
+
+    monkeypatch.setattr(Simulation, "run_round", spy)
+    request = TuneRequest(None, (*TINY, "rounds=6", "eval_every=6"), trials=1)
+    with pytest.raises(tune_mod.TrainingDiverged) as stopped:
+        validation_curve(request.trial_config({"local.lr": 1e6}))
+    assert rounds_run[-1] == stopped.value.round < 6  # stopped where it diverged
+    # the reading without the stop runs every round (and scores the wrecked model)
+    rounds_run.clear()
+    validation_curve(request.trial_config({"local.lr": 1e6}), stop_on_divergence=False)
+    assert rounds_run == [1, 2, 3, 4, 5, 6]
+    # in a study: the trial is pruned at that round, and trials.json says where
+    (tmp_path / "study").mkdir()
+    tune_mod.open_study(tmp_path / "study", request).enqueue_trial({"local.lr": 1e6})
+    rounds_run.clear()
+    with pytest.raises(TuneError, match="no trial completed"):
+        tune(tmp_path / "study", request)
+    trial = json.loads((tmp_path / "study" / "trials.json").read_text())[0]
+    assert trial["state"] == "PRUNED" and trial["diverged_round"] == stopped.value.round
+    assert len(rounds_run) == stopped.value.round
