@@ -458,7 +458,11 @@ def reproduce(
     list_targets: Annotated[bool, typer.Option("--list", help="List the targets.")] = False,
     seeds: Annotated[str, typer.Option(help="Seeds, e.g. 0,1,2.")] = "0,1,2",
     scale: Annotated[
-        str, typer.Option(help="cpu (Fashion-MNIST, minutes) or paper (the paper's sizes).")
+        str,
+        typer.Option(
+            help="cpu (Fashion-MNIST, minutes), cpu-hard (less data a client, so Local is off "
+            "the ceiling; where --list shows one) or paper (the paper's sizes)."
+        ),
     ] = "cpu",
     parallel: Annotated[int, typer.Option(help="Runs at a time (processes).")] = 1,
     methods: Annotated[
@@ -493,9 +497,10 @@ def reproduce(
     from hyperfed.sweep import run_sweep, sweep_runs
 
     if list_targets or target is None:
-        table = Table("target", "what", "methods", "config")
+        table = Table("target", "what", "methods", "config", "scales")
         for t in TARGETS.values():
-            table.add_row(t.key, t.title, ", ".join(t.methods), t.config)
+            scales = "cpu, cpu-hard, paper" if t.cpu_hard else "cpu, paper"
+            table.add_row(t.key, t.title, ", ".join(t.methods), t.config, scales)
         console.print(table)
         if target is None:
             return

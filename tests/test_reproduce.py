@@ -284,3 +284,33 @@ def test_a_gap_within_the_seeds_spread_is_inconclusive() -> None:
     assert "0 of 1 hold here (0 judged" in markdown(TOY, result, [0, 1])
     runs[1] = _summary("a", 0.59)  # a: 60 ± 1, 4 points below c: judged
     assert compare(TOY, runs)["checks"][0]["verdict"] == "holds"
+
+
+def test_cpu_hard_gives_each_client_less_data_and_is_refused_where_unmeasured() -> None:
+    """``--scale cpu-hard`` (issue 37's harder settings): the same target, federation and round
+    budget as ``cpu`` but fewer pooled images (so fewer a client), in the header; a target
+    without one, or an unknown scale, is a one-line error naming the choices."""
+    from hyperfed.config import load_config
+    from hyperfed.reproduce import ReproduceError
+
+    hard = [t for t in TARGETS.values() if t.cpu_hard]
+    assert {t.key for t in hard} >= {"000:table1", "002:table3", "004:table1"}
+    for target in hard:
+        config, cpu_sets = sweep_args(target, "cpu", Path("configs"))
+        _, hard_sets = sweep_args(target, "cpu-hard", Path("configs"))
+        method = f"algorithm.name={target.ours[0]}"
+        easy = load_config(config, [method, *cpu_sets[1:]])
+        harder = load_config(config, [method, *hard_sets[1:]])
+        assert (easy.clients.count, easy.rounds) == (harder.clients.count, harder.rounds)
+        easy_images = easy.dataset.subsample or 10**9
+        assert harder.dataset.subsample is not None and harder.dataset.subsample < easy_images
+    text = markdown(
+        TARGETS["000:table1"], compare(TARGETS["000:table1"], []), [0], scale="cpu-hard"
+    )
+    assert "Setting (cpu-hard scale)" in text and "`partition.classes_per_client=4`" in text
+    with pytest.raises(ReproduceError, match="003:table1 has no cpu-hard setting.*000:table1"):
+        sweep_args(TARGETS["003:table1"], "cpu-hard", Path("configs"))
+    with pytest.raises(ReproduceError, match="--scale 'gpu': choose one of cpu, cpu-hard, paper"):
+        sweep_args(TARGETS["000:table1"], "gpu", Path("configs"))
+    bad = CliRunner().invoke(app, ["reproduce", "001:table1", "--scale", "cpu-hard"])
+    assert bad.exit_code != 0 and "001:table1 has no cpu-hard setting" in bad.output
