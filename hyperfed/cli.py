@@ -402,12 +402,20 @@ def sweep(
     threads: Annotated[
         int | None, typer.Option(help="torch threads per run (default: cores // parallel).")
     ] = None,
+    drop_checkpoints: Annotated[
+        bool,
+        typer.Option(
+            "--drop-checkpoints",
+            help="Delete each finished run's checkpoint.pt (only --resume needs it), also of "
+            "runs finished before; the metrics and config stay.",
+        ),
+    ] = False,
 ) -> None:
     """Run a grid of settings x seeds, resumable: --set key=v1,v2 makes an axis.
 
     hyperfed sweep --set algorithm.name=fedavg,local --seeds 0,1,2 --parallel 2 --out S;
     call it again with only --out S to resume; hyperfed report S gives mean ± std over seeds."""
-    from hyperfed.sweep import run_sweep
+    from hyperfed.sweep import checkpoint_bytes, run_sweep
 
     try:
         seed_list = [int(s) for s in seeds.split(",")] if seeds else []
@@ -432,6 +440,7 @@ def sweep(
                 parallel=parallel,
                 threads=threads,
                 on_progress=on_progress,
+                drop_checkpoints=drop_checkpoints,
             )
         except HyperfedError as e:
             fail(str(e))
@@ -445,6 +454,12 @@ def sweep(
     )
     for name, why in result.failed:
         err_console.print(f"[bold red]failed:[/] {name}: {why}", highlight=False)
+    kept = checkpoint_bytes(out)
+    if kept:
+        console.print(
+            f"checkpoints below {out}: {kept / 1e6:.0f} MB (--drop-checkpoints deletes the "
+            "finished runs' ones)"
+        )
     if result.failed:
         raise typer.Exit(1)
     console.print(f"compare with: hyperfed report {out}")

@@ -138,11 +138,15 @@ def run_sweep(
     threads: int | None = None,
     on_progress: Callable[[int, int, str], None] | None = None,
     only: Callable[[SweepPoint], bool] | None = None,
+    drop_checkpoints: bool = False,
 ) -> SweepResult:
     """Run (or resume) the sweep in ``out``. A second call with another grid is refused
     (a sweep folder holds one grid); with no ``sets``/``config`` it resumes the stored one.
     ``only`` runs just the grid's points it accepts (the folder still holds the whole grid,
-    so a later call can run the rest)."""
+    so a later call can run the rest). ``drop_checkpoints`` deletes each finished run's
+    ``checkpoint.pt`` (only ``--resume`` reads it; the metrics say a run is done), also of
+    runs an earlier call finished: a grid of hundreds of runs otherwise keeps a model state per
+    run and client on disk."""
     if parallel < 1:
         raise SweepError(f"--parallel {parallel}: run at least 1 at a time")
     stored = load_manifest(out)
@@ -178,6 +182,8 @@ def run_sweep(
         state = run_state(out / p.name, rounds[p.name])
         if state == "done":
             result.skipped.append(p.name)
+            if drop_checkpoints:
+                (out / p.name / CHECKPOINT).unlink(missing_ok=True)
         else:
             todo.append((p, state))
     total, finished = len(points), len(result.skipped)
@@ -217,6 +223,8 @@ def run_sweep(
                 if proc.returncode == 0:
                     result.done.append(p.name)
                     log.unlink(missing_ok=True)
+                    if drop_checkpoints:
+                        (out / p.name / CHECKPOINT).unlink(missing_ok=True)
                 else:
                     lines = log.read_text(errors="replace").strip().splitlines() or ["?"]
                     result.failed.append((p.name, f"{lines[-1]} (full output: {log})"))
@@ -231,6 +239,11 @@ def run_sweep(
     finally:
         signal.signal(signal.SIGTERM, previous)
     return result
+
+
+def checkpoint_bytes(out: Path) -> int:
+    """Bytes of the run checkpoints below ``out`` (what ``drop_checkpoints`` frees)."""
+    return sum(p.stat().st_size for p in out.rglob(CHECKPOINT))
 
 
 def sweep_runs(paths: list[Path]) -> list[Path]:

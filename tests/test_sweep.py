@@ -118,3 +118,30 @@ def test_groups_of_one_method_are_labelled_by_the_hyperparameter_that_varies() -
     runs = [summary(g, s) for g in ("residual", "literal") for s in (0, 1)]
     labels = [g["label"] for g in group_by_seed(runs)]  # type: ignore[arg-type]
     assert labels == ["algorithm.generation=residual", "algorithm.generation=literal"]
+
+
+def test_drop_checkpoints_deletes_finished_runs_checkpoints_and_keeps_them_done(
+    tmp_path: Path,
+) -> None:
+    """Without the option every finished run keeps its ``checkpoint.pt`` (``--resume``);
+    resuming the folder with ``--drop-checkpoints`` deletes the finished run's, the metrics
+    still mark it done (it does not rerun), and the run it starts leaves none behind."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from hyperfed.cli import app
+    from hyperfed.sweep import checkpoint_bytes
+
+    out = tmp_path / "sweep"
+    first = run_sweep(out, config=None, sets=["algorithm.name=local", *TINY], seeds=[0, 1])
+    assert first.done == ["seed=0", "seed=1"]
+    assert len(list(out.rglob("checkpoint.pt"))) == 2 and checkpoint_bytes(out) > 0
+    shutil.rmtree(out / "seed=1")  # to be run again by the resume
+    args = ["sweep", "--out", str(out), "--drop-checkpoints"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "1 ran, 1 already finished" in " ".join(result.output.split())
+    assert checkpoint_bytes(out) == 0 and not list(out.rglob("checkpoint.pt"))
+    for seed in (0, 1):
+        assert len(read_metrics(out / f"seed={seed}")) == 2
