@@ -39,7 +39,7 @@ class RunDirError(HyperfedError, ValueError):
     checkpoint); the message says what to do instead."""
 
 
-def _sha256(data: bytes) -> str:
+def _sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -128,10 +128,12 @@ class RunDir:
         return _sha256(p.read_bytes()) if p.exists() else ""
 
     def save_checkpoint(self, state: dict[str, Any]) -> int:
-        """Write the checkpoint atomically; returns its size in bytes."""
+        """Write the checkpoint atomically; returns its size in bytes. The serialized state is
+        held once (a view of the buffer torch.save wrote, hashed and written as it is): a
+        copy of it, or of header + payload joined, would triple a large state's peak memory."""
         buf = io.BytesIO()
         torch.save(state, buf)
-        payload = buf.getvalue()
+        payload = buf.getbuffer()
         header = {
             "format": CHECKPOINT_FORMAT,
             "sha256": _sha256(payload),
@@ -139,8 +141,17 @@ class RunDir:
             "config_sha256": self.config_sha256(),
         }
         head = (json.dumps(header) + "\n").encode()
-        atomic_write_bytes(self.path / CHECKPOINT, lambda f: f.write(head + payload))
-        return len(head) + len(payload)
+
+        def write(f: Any) -> None:
+            f.write(head)
+            f.write(payload)
+
+        size = len(head) + len(payload)
+        try:
+            atomic_write_bytes(self.path / CHECKPOINT, write)
+        finally:
+            payload.release()  # the buffer can be freed with ``buf``
+        return size
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The last checkpoint (None if there is none), verified before it is read."""
@@ -158,6 +169,7 @@ class RunDir:
         if not isinstance(header, dict) or header.get("format") != CHECKPOINT_FORMAT:
             raise RunDirError(f"{bad}: not a hyperfed checkpoint (empty or foreign); {restart}")
         payload = data[newline + 1 :]
+        del data  # one copy of the state in memory while it is checked and read
         if len(payload) != header.get("size") or _sha256(payload) != header.get("sha256"):
             raise RunDirError(f"{bad}: truncated or corrupt (checksum mismatch); {restart}")
         if header.get("config_sha256") != self.config_sha256():
