@@ -97,7 +97,7 @@ SCALES = ("cpu", "cpu-hard", "paper")
 _SEED000_CPU = ("clients.count=20", "local.lr=0.05", "rounds=60", "eval_every=3")
 # Harder (docs/claims/000.md, "C1 in a harder setting"): 3000 pooled images and 4 classes of
 # 10 a client (~112 training images each, closer to EMNIST's 6 of 62): Local 88.88 against
-# 97.19 at _SEED000_CPU (seeds 0-1, results/claims/000-hard-cpu).
+# 97.19 at _SEED000_CPU (seeds 0-2, results/000-table1-cpu-hard).
 _SEED000_HARD = (*_SEED000_CPU, "dataset.subsample=3000", "partition.classes_per_client=4")
 # Table 2's mixed LeNet / VGG8 / MLP clients learn slower: at 60 rounds FedAvg, pFedHN, FedGH
 # and pFedLHN were still rising (results/000-table2-cpu-60r), so its CPU scale runs 100 rounds.

@@ -307,13 +307,13 @@ def _two_client_group(fm: FunctionalModel, lr: float, vectorize: bool) -> Client
 @pytest.mark.parametrize("vectorize", [True, False])
 def test_deploying_client_distils_the_other_trains_plain_ce(vectorize):
     """One group, client 0 deploys w_g, client 1 does not (same data, same theta): client 0's
-    step is Eq. 8 (lambda = 0.2, T = 2) with the received w_g as teacher and it returns
+    step is Eq. 8 (lambda = 0.2 on the KL, T = 2) with the received w_g as teacher and it returns
     Delta w_g; client 1's is Alg. 1's plain CE step and its global_delta is zero, its global
     BatchNorm state untouched."""
     lr = 0.5
     hp = MHPFedHNGDParams(
         **TINY, global_model="linear", kd_lambda=0.2, temperature=2.0, global_model_fraction=0.5
-    )
+    )  # the default kd_weighting: lambda weighs the KL (0.8 CE + 0.2 KL)
     student, teacher = _linear_fm(1), _linear_fm(2)
     theta, w_g = student.initial_params(), teacher.initial_params()
     client = _client(hp, teacher)
@@ -324,7 +324,7 @@ def test_deploying_client_distils_the_other_trains_plain_ce(vectorize):
     }
     state = client.init_state(student, 2)
     reply, new_state, loss = client.fit(_two_client_group(student, lr, vectorize), msg, state)
-    kd = -lr * hand_grad(theta, _logits(w_g), 0.2, 0.8, T=2.0)
+    kd = -lr * hand_grad(theta, _logits(w_g), 0.8, 0.2, T=2.0)
     ce = -lr * hand_grad(theta)
     assert torch.allclose(reply["delta"][0], kd, rtol=0, atol=1e-12)
     assert torch.allclose(reply["delta"][1], ce, rtol=0, atol=1e-12)
