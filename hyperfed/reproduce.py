@@ -3,8 +3,8 @@
 Each :class:`Target` names a config, the methods of the paper's table that hyperfed has, the
 CPU-sized overrides (``--scale cpu``, the default; ``--scale cpu-hard``, where a target has
 one, a CPU setting with less data per client so that local training is off the ceiling;
-``--scale paper`` runs the config as the paper sized it) and the paper's own figures for the row it reports closest to the config
-(stored with their table reference). ``reproduce`` runs the methods x seeds as a resumable
+``--scale paper`` runs the config as the paper sized it) and the paper's own figures for the
+row it reports closest to the config (stored with their table reference). ``reproduce`` runs the methods x seeds as a resumable
 sweep (:mod:`hyperfed.sweep`) in ``reproduce/<seed>-<table>``, then prints our mean ± std
 over seeds beside the paper's figure and checks every ordering the paper's numbers claim
 between its own method(s) and each baseline ("holds" / "does not hold" on our means).
@@ -96,7 +96,7 @@ SCALES = ("cpu", "cpu-hard", "paper")
 # lr 0.01) left FedAvg near chance (24.40: the budget, not the method).
 _SEED000_CPU = ("clients.count=20", "local.lr=0.05", "rounds=60", "eval_every=3")
 # Harder (docs/claims/000.md, "C1 in a harder setting"): 3000 pooled images and 4 classes of
-# 10 a client (~112 training images each, closer to EMNIST's 6 of 62): Local 88.88 against
+# 10 a client (~112 training images each, closer to EMNIST's 6 of 62): Local 88.57 against
 # 97.19 at _SEED000_CPU (seeds 0-2, results/000-table1-cpu-hard).
 _SEED000_HARD = (*_SEED000_CPU, "dataset.subsample=3000", "partition.classes_per_client=4")
 # Table 2's mixed LeNet / VGG8 / MLP clients learn slower: at 60 rounds FedAvg, pFedHN, FedGH
@@ -341,8 +341,8 @@ TARGETS: dict[str, Target] = {
             # 2.5x the config's 40 rounds (~4 min a run on 2 cores); DFedAvg and DisPFL still
             # rise ~0.5 points per 10 rounds there in some seeds (docs/results.md: "not converged")
             cpu=("rounds=100",),
-            # half the pooled images (~150 a client): Local 85.13 against ~89.5 at 100 rounds
-            # (seeds 0-2, results/claims/004-hard-cpu; docs/claims/004.md)
+            # half the pooled images (~150 a client): Local 85.13 against 88.87 at the cpu
+            # scale (seeds 0-2, results/claims/004-hard-cpu; docs/claims/004.md)
             cpu_hard=("rounds=100", "dataset.subsample=3000"),
             paper={
                 "local": 61.54,

@@ -129,8 +129,8 @@ class RunDir:
 
     def save_checkpoint(self, state: dict[str, Any]) -> int:
         """Write the checkpoint atomically; returns its size in bytes. The serialized state is
-        held once (a view of the buffer torch.save wrote, hashed and written as it is): a
-        copy of it, or of header + payload joined, would triple a large state's peak memory."""
+        held once (a view of the buffer torch.save wrote, hashed and written as it is):
+        joining header and payload into one bytes object doubled a large state's peak."""
         buf = io.BytesIO()
         torch.save(state, buf)
         payload = buf.getbuffer()
