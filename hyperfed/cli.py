@@ -514,8 +514,7 @@ def reproduce(
     if list_targets or target is None:
         table = Table("target", "what", "methods", "config", "scales")
         for t in TARGETS.values():
-            scales = "cpu, cpu-hard, paper" if t.cpu_hard else "cpu, paper"
-            table.add_row(t.key, t.title, ", ".join(t.methods), t.config, scales)
+            table.add_row(t.key, t.title, ", ".join(t.methods), t.config, ", ".join(t.scales()))
         console.print(table)
         if target is None:
             return

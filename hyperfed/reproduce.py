@@ -56,13 +56,17 @@ class Target:
     protocol: tuple[str, ...] = ()
     protocol_name: str = ""
 
+    def scales(self) -> tuple[str, ...]:
+        """The scales this target runs at (``cpu-hard`` only where it has one)."""
+        return tuple(s for s in SCALES if s != "cpu-hard" or self.cpu_hard)
+
     def overrides(self, scale: str) -> tuple[str, ...]:
         """The ``--set`` overrides of ``scale``; an unknown scale, or ``cpu-hard`` on a target
         without one, is a one-line :class:`ReproduceError`."""
         if scale not in SCALES:
             raise ReproduceError(f"--scale {scale!r}: choose one of {', '.join(SCALES)}")
-        if scale == "cpu-hard" and not self.cpu_hard:
-            with_hard = ", ".join(k for k, t in TARGETS.items() if t.cpu_hard)
+        if scale not in self.scales():
+            with_hard = ", ".join(k for k, t in TARGETS.items() if "cpu-hard" in t.scales())
             raise ReproduceError(
                 f"{self.key} has no cpu-hard setting; choose --scale cpu, or a target with "
                 f"one: {with_hard}"
