@@ -54,3 +54,19 @@ class Space:
             raise ValueError(f"Space({self.low}, {self.high}): need low < high, or choices")
         if self.log and not self.choices and self.low <= 0:
             raise ValueError(f"Space({self.low}, {self.high}, log=True): need low > 0")
+
+    def contains(self, value: Any) -> bool:
+        """Whether ``value`` is one of the points this space can draw."""
+        if self.choices:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.integer and value != int(value):
+            return False
+        return self.low <= value <= self.high
+
+    def describe(self) -> str:
+        """``0.001..0.3 (log)`` / ``one of 0.1, 1.0``: the space in an error or note."""
+        if self.choices:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        return f"{self.low:g}..{self.high:g}" + (" (log)" if self.log else "")

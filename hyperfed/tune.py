@@ -8,7 +8,10 @@ final round (intermediate validation accuracies feed Optuna's median pruner). **
 is never evaluated while tuning**: the trial runs only evaluate ``"val"``. A trial whose training
 diverges (a client's loss non-finite, or an update rejected) is pruned at that round instead of
 running its remaining rounds: ``reproduce`` would not rank such a run ("unsound"), so its score
-cannot be the best; ``trials.json`` records the round (``diverged_round``).
+cannot be the best; ``trials.json`` records the round (``diverged_round``). A new study's trial 0
+runs the config's own values (``config_default`` in ``trials.json``, ``default_trial`` in
+``tune.json``), so a tuned row is never below the default row on validation; the sampler draws
+the rest.
 
 The study lives in its folder (``study.db``, SQLite), so a killed study resumes: finished and
 pruned trials are kept, a trial that was running when the study died is run again with the same
@@ -43,6 +46,8 @@ STUDY_NAME = "hyperfed"
 # every method tunes its local learning rate on this log-uniform range (the papers' lrs span
 # 1e-3 .. 0.1; the CPU configs use 0.01 .. 0.05)
 LOCAL_LR = Space(1e-3, 0.3, log=True)
+# trials.json / user attribute marking trial 0: the config's own values
+CONFIG_DEFAULT = "config_default"
 # the validation share a config without one is given for tuning
 DEFAULT_VAL_FRACTION = 0.15
 
@@ -94,6 +99,30 @@ class TuneRequest:
         base = self.base_config()
         sets = [*self.sets, f"partition.val_fraction={base.partition.val_fraction}"]
         return load_config(self.config, sets + [f"{k}={v}" for k, v in values.items()])
+
+
+def config_default_trial(
+    cfg: ExperimentConfig, space: dict[str, Space]
+) -> tuple[dict[str, Any] | None, str]:
+    """The values the config itself runs with, for every key the study searches: a new study's
+    trial 0, so that the tuned row is never below the default one on validation. ``(None,
+    why)`` where a value cannot be a trial (unset, or outside its search space)."""
+    from hyperfed.algorithms import get_algorithm
+    from hyperfed.runtime.federation import resolve_sgd
+
+    alg = get_algorithm(cfg.algorithm.name)
+    hp = cfg.hparams()
+    local_lr = resolve_sgd(cfg, alg.local_defaults).lr
+    values: dict[str, Any] = {}
+    for key, s in space.items():
+        name = key.rsplit(".", 1)[1]
+        value = local_lr if key == "local.lr" else getattr(hp, name)
+        if value is None and name in alg.unset_is_local_lr:
+            value = local_lr
+        if not s.contains(value):
+            return None, f"{key} = {value!r} is outside its search space {s.describe()}"
+        values[key] = value if s.choices or s.integer else float(value)
+    return values, ""
 
 
 def optuna_distribution(space: Space) -> Any:
@@ -274,8 +303,16 @@ def tune(
                 f"{folder}: holds a study of another config or search space; "
                 "choose another --out or delete it"
             )
-    meta.write_text(json.dumps({**wanted, "trials": request.trials}, indent=1))
     study = open_study(folder, request)
+    default_trial = json.loads(meta.read_text()).get("default_trial") if meta.exists() else None
+    if not study.trials:  # a new study: trial 0 runs the config's own values
+        values, why = config_default_trial(cfg, space)
+        if values is not None:
+            study.enqueue_trial(values, user_attrs={CONFIG_DEFAULT: True})
+        default_trial = values if values is not None else f"not run: {why}"
+    meta.write_text(
+        json.dumps({**wanted, "trials": request.trials, "default_trial": default_trial}, indent=1)
+    )
     requeue_interrupted(study)
     if on_progress is not None:
         on_progress(_done(study), request.trials, "")
@@ -317,6 +354,8 @@ def tune(
 
 def _trial_line(trial: optuna.trial.FrozenTrial) -> str:
     value = "pruned" if trial.value is None else f"val {trial.value:.4f}"
+    if trial.user_attrs.get(CONFIG_DEFAULT):
+        value += " (the config's own values)"
     if "diverged_round" in trial.user_attrs:
         value = f"diverged at round {trial.user_attrs['diverged_round']}"
     return f"trial {trial.number}: {value}"
@@ -328,7 +367,7 @@ def write_outputs(folder: Path, study: optuna.Study, space: dict[str, Space]) ->
 
     trials = [
         {"number": t.number, "state": t.state.name, "value": t.value, "params": t.params}
-        | {k: v for k, v in t.user_attrs.items() if k == "diverged_round"}
+        | {k: v for k, v in t.user_attrs.items() if k in ("diverged_round", CONFIG_DEFAULT)}
         for t in study.trials
     ]
     (folder / "trials.json").write_text(json.dumps(trials, indent=1))
@@ -379,8 +418,8 @@ def _plots(folder: Path, study: optuna.Study, params: int) -> None:
         ovm.plot_optimization_history(study)
         plt.gcf().savefig(folder / "optimization_history.png", dpi=110, bbox_inches="tight")
         plt.close("all")
-        complete = sum(t.value is not None for t in study.trials)
-        if params > 1 and complete > 1:
+        values = {t.value for t in study.trials if t.value is not None}
+        if params > 1 and len(values) > 1:  # fANOVA needs some variance in the scores
             ovm.plot_param_importances(study)
             plt.gcf().savefig(folder / "param_importances.png", dpi=110, bbox_inches="tight")
             plt.close("all")

@@ -220,3 +220,60 @@ def test_a_diverging_trial_is_pruned_at_its_first_non_finite_round(
     trial = json.loads((tmp_path / "study" / "trials.json").read_text())[0]
     assert trial["state"] == "PRUNED" and trial["diverged_round"] == stopped.value.round
     assert len(rounds_run) == stopped.value.round
+
+
+def test_a_new_study_runs_the_config_s_own_values_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trial 0 of a new study is the config as written (so tuned >= default on validation);
+    the sampler draws the others; a resumed study does not add it again."""
+    seen: list[tuple[float, float]] = []
+
+    def fake_curve(cfg, report=None) -> float:  # type: ignore[no-untyped-def]
+        seen.append((cfg.local.lr, cfg.hparams().mu))
+        return 0.5
+
+    monkeypatch.setattr(tune_mod, "validation_curve", fake_curve)
+    sets = (*TINY[:-1], "algorithm.name=moon", "local.lr=0.0123", "algorithm.moon.mu=5.0")
+    folder = tmp_path / "study"
+    tune(folder, TuneRequest(None, sets, trials=3))
+    assert seen[0] == (0.0123, 5.0)
+    assert all(lr != 0.0123 for lr, _ in seen[1:])  # the others are drawn
+    trials = json.loads((folder / "trials.json").read_text())
+    assert [t.get("config_default", False) for t in trials] == [True, False, False]
+    meta = json.loads((folder / "tune.json").read_text())
+    assert meta["default_trial"] == {"local.lr": 0.0123, "algorithm.moon.mu": 5.0}
+    seen.clear()
+    tune(folder, TuneRequest(None, sets, trials=4))
+    assert len(seen) == 1 and seen[0] != (0.0123, 5.0)
+
+
+def test_a_config_value_outside_the_search_space_is_not_trial_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[float] = []
+    monkeypatch.setattr(
+        tune_mod, "validation_curve", lambda cfg, report=None: seen.append(cfg.local.lr) or 0.5
+    )
+    folder = tmp_path / "study"
+    tune(folder, TuneRequest(None, (*TINY, "local.lr=0.9"), trials=1))
+    assert seen != [0.9]
+    meta = json.loads((folder / "tune.json").read_text())
+    assert meta["default_trial"] == (
+        "not run: local.lr = 0.9 is outside its search space 0.001..0.3 (log)"
+    )
+
+
+def test_every_shipped_config_s_own_values_can_be_trial_0() -> None:
+    """A config whose value lies outside its method's search space would be tuned without its
+    own default among the trials (DFedHP's lr 1.0 once was: its space ended at 0.1)."""
+    from hyperfed.config import load_config
+
+    configs = sorted(Path(__file__).parents[1].joinpath("configs").rglob("*.toml"))
+    assert len(configs) > 50
+    for path in configs:
+        cfg = load_config(path, [])
+        values, why = tune_mod.config_default_trial(cfg, search_space(cfg.algorithm.name))
+        assert values is not None, (path.name, why)
+        if path.name == "dfedhp_cifar10_dir0.3.toml":  # lr_phi unset: it runs at the [local] lr
+            assert values["algorithm.dfedhp.lr_phi"] == values["local.lr"] == cfg.local.lr

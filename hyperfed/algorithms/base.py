@@ -494,6 +494,9 @@ class Algorithm:
     # hyperfed tune: the hyperparameters its paper tunes, each with its range (every method
     # also tunes the local lr; hyperfed.tune.search_space)
     tune: dict[str, Space] = dataclasses.field(default_factory=dict)
+    # tuned learning rates whose unset default (None) means the [local] lr: a study's trial 0
+    # (the config's own values) runs them at that lr
+    unset_is_local_lr: tuple[str, ...] = ()
 
     def scored_model(self, hp: Any) -> str:
         """The key of :data:`SCORED_MODELS` this method's evaluation scores under ``hp``."""
