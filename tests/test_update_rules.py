@@ -59,6 +59,9 @@ def test_adam_step_is_the_adam_equations_with_each_clients_own_bias_correction()
     mask = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     masked, _ = rule.step(theta, grads, state, mask)
     assert torch.equal(masked[:, 1], theta[:, 1]) and torch.equal(masked[:, 0], got[:, 0])
+    th, st = theta.clone(), {k: v.clone() for k, v in state.items()}
+    rule.step_(th, grads.clone(), st, mask)
+    assert torch.equal(th, masked)
 
 
 def _lin_fm() -> FunctionalModel:

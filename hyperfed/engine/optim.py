@@ -118,6 +118,26 @@ class Adam(UpdateRule):
             update = update * mask
         return theta - update, {"m": m, "v": v, "t": t}
 
+    def step_(self, theta: Tensor, grads: Tensor, state: State, mask: Tensor | None) -> None:
+        """The same step in place, with one ``[C, K]`` temporary (the denominator) instead of
+        about ten: the update is written into ``grads``' memory. pFedKT's one-shot HN(large)
+        (18 M outputs a client) spent most of its round allocating them (`benchmarks/
+        sgd_update.py` prints the ratio)."""
+        g = grads.add_(theta, alpha=self.weight_decay) if self.weight_decay else grads
+        if mask is not None:
+            g.mul_(mask)
+        b1, b2 = self.betas
+        t = state["t"].add_(1)
+        per_client = t.to(theta.dtype).view(-1, *[1] * (theta.dim() - 1))
+        m, v = state["m"], state["v"]
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = v.div(1 - b2**per_client).sqrt_().add_(self.eps)
+        update = torch.div(m, 1 - b1**per_client, out=g).mul_(self.lr).div_(denom)
+        if mask is not None:
+            update.mul_(mask)
+        theta.sub_(update)
+
 
 def adam(params: Iterable[Tensor], lr: float) -> torch.optim.Adam:
     """Adam with the fused kernel where this torch has one (about 9x faster than the default
