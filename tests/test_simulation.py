@@ -302,3 +302,32 @@ def test_held_out_clients_with_new_architectures_join_after_training() -> None:
     sampled = [sim.run_round(r).clients for r in (1, 2, 3)]
     assert all(3 not in c for c in sampled[:2]) and sampled[2] == [3]
     assert "mean_acc_new" in sim.evaluate()
+
+
+def test_evaluation_stacks_only_the_state_the_scored_model_needs(monkeypatch):
+    """pFedKT scores ``theta_prev``; its clients also keep a local hypernetwork and Adam's two
+    moments of it (for HN(large), ~220 MB a client). Evaluating must not stack those: what
+    ``torch.stack`` copies during ``evaluate`` is the scored models and buffers only."""
+    cfg = load_config(
+        None,
+        [*BASE, "clients.count=3", "clients.models=mlp", "algorithm.name=pfedkt", "rounds=1"],
+    )
+    sim = Simulation(cfg)
+    sim.run_round(1)
+    store = sim.transport.store
+    assert {"hn", "hn_m", "hn_v"} <= set(store[0])  # what a full stack would copy
+    copied: list[int] = []
+    stack = torch.stack
+
+    def spy(tensors, *args, **kwargs):
+        out = stack(tensors, *args, **kwargs)
+        copied.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "stack", spy)
+    sim.evaluate("test")
+    monkeypatch.setattr(torch, "stack", stack)
+    scored = sum(store[c][k].numel() for c in store for k in ("theta_prev", "buffers"))
+    hypernet = sum(store[c][k].numel() for c in store for k in ("hn", "hn_m", "hn_v"))
+    assert hypernet > scored  # so the sum below tells the two apart
+    assert sum(copied) < scored + hypernet / 2

@@ -31,7 +31,7 @@ hook needs no forwarder written by hand.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,30 @@ def stack_payloads(payloads: list[Payload]) -> Payload:
 
 def unstack_payload(payload: Payload, n: int) -> list[Payload]:
     return [{k: v[i] for k, v in payload.items()} for i in range(n)]
+
+
+class StackedOnRead(Mapping[str, Tensor]):
+    """Payloads stacked key by key when a key is first read, not all at once: an evaluation
+    reads a client's model and buffers, not its optimizer moments or local hypernetwork
+    (pFedKT's HN(large) state is ~220 MB a client, stacked for nothing on every evaluation)."""
+
+    def __init__(self, payloads: list[Payload]) -> None:
+        self._payloads = payloads
+        self._keys = list(payloads[0]) if payloads else []
+        self._stacked: dict[str, Tensor] = {}
+
+    def __getitem__(self, key: str) -> Tensor:
+        if key not in self._stacked:
+            if key not in self._keys:
+                raise KeyError(key)
+            self._stacked[key] = torch.stack([p[key] for p in self._payloads])
+        return self._stacked[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 @dataclass
@@ -348,7 +372,7 @@ class Client:
         raise NotImplementedError
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         """The personalized (theta, buffers) each client is evaluated with."""
         raise NotImplementedError
@@ -386,7 +410,7 @@ class PersonalModelClient(Client):
         return state
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return state["theta"], state["buffers"]
 

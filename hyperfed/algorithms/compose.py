@@ -25,7 +25,7 @@ capabilities the method has (:func:`~hyperfed.algorithms.base.forward_hooks`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -110,7 +110,7 @@ class SyntheticTrainingGroup(ClientGroup):
         return super().train(theta, buffers, **extra, **rest)
 
 
-def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
+def _strip(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v for k, v in state.items() if k not in SYNTHETIC_KEYS}
 
 
@@ -231,7 +231,7 @@ def plug_in(
             return reply, {**new_state, **syn}, loss
 
         def eval_model(
-            self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+            self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
         ) -> tuple[Tensor, Tensor]:
             return self.method.eval_model(group, msg, _strip(state))
 

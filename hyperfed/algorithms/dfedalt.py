@@ -18,6 +18,7 @@ so that step 2 trains (phi_i, z_i) and step 3 gossips them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,7 @@ class DFedAltClient(Client):
         state["head"] = split.head(theta).clone()
         return state
 
-    def body(self, group: ClientGroup, state: dict[str, Tensor]) -> Tensor:
+    def body(self, group: ClientGroup, state: Mapping[str, Tensor]) -> Tensor:
         """The shared part u_i of each client ``[C, K_body]``."""
         return state["shared"]
 
@@ -127,7 +128,7 @@ class DFedAltClient(Client):
         return {k: state[k] for k in self.shared_keys}, state, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         split = body_head(group.fm)
         return split.join(self.body(group, state), state["head"]), state["buffers"]

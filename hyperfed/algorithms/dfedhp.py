@@ -37,6 +37,7 @@ or ``lr_z`` are set.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -212,7 +213,7 @@ class DFedHPClient(DFedAltClient):
             "head": split.head(theta).expand(n, -1).clone(),
         }
 
-    def body(self, group: ClientGroup, state: dict[str, Tensor]) -> Tensor:
+    def body(self, group: ClientGroup, state: Mapping[str, Tensor]) -> Tensor:
         _, hnet, base = self.parts(group.fm)
         return base + hnet.generate(state["phi"], state["z"])
 

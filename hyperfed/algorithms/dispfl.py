@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -311,7 +312,7 @@ class DisPFLClient(Client):
         return {**state, "theta": state["mask"] * mean}
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         if self.hp.evaluate == "trained":
             return state["trained"], state["buffers"]

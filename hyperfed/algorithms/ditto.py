@@ -16,6 +16,7 @@ does not give its setting.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -83,7 +84,7 @@ class DittoClient(Client):
         return {"theta": w}, new_state, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return state["personal"], state["buffers"]
 

@@ -16,6 +16,7 @@ private models' mean accuracy" (§6.1), which `hyperfed reproduce 001:table1` us
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,7 +92,7 @@ class FedAvgClient(Client):
         return {"theta": theta}, {"buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         if "theta_local" in state:
             return state["theta_local"], state["buffers"]

@@ -47,6 +47,7 @@ Choices the paper leaves open, or where hyperfed differs:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -123,7 +124,7 @@ class FedBNClient(Client):
         return {"shared": split.body(theta)}, {"norm": split.head(theta), "buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return norm_split(group.fm).join(msg["shared"], state["norm"]), state["buffers"]
 

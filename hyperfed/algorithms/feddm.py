@@ -43,6 +43,7 @@ marked ``chosen`` with its evidence):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -222,7 +223,7 @@ class FedDMClient(Client):
         return [PhaseCost(what, seconds, per_round=True)]
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return msg["theta"], msg["buffers"]
 

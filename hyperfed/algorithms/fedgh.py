@@ -82,6 +82,7 @@ count-free class payload and its check).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -274,7 +275,7 @@ class FedGHClient(PersonalModelClient):
         return reply, {"theta": theta, "buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         """The client's own extractor with the global header (step 4; ``eval_header="global"``)
         or with its own header from its latest local training (``"local"``; the initial one

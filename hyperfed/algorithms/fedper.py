@@ -9,6 +9,7 @@ A baseline of seed 004 (Table 1), where the head is the classifier of ResNet-18.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -61,7 +62,7 @@ class FedPerClient(Client):
         return {"body": split.body(theta)}, {"head": split.head(theta), "buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         split = body_head(group.fm)
         return split.join(msg["body"], state["head"]), state["buffers"]

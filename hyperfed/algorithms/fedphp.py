@@ -39,6 +39,7 @@ file departs from that code:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -196,7 +197,7 @@ class FedPHPClient(Client):
         return {"theta": theta}, new_state, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return state["hpm"], state["hpm_buffers"]
 

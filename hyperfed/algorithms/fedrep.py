@@ -55,6 +55,7 @@ Homogeneous clients only: the representation is averaged entry by entry.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -179,7 +180,7 @@ class FedRepClient(Client):
         return {"body": split.body(theta)}, state, losses[-1]
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         split = rep_split(group.fm, self.hp.head_layers)
         return split.join(msg["body"], state["head"]), state["buffers"]

@@ -42,6 +42,7 @@ Choices (left open, or not readable here):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -169,7 +170,7 @@ class FedRoDClient(Client):
         return {"theta": theta[:, :k]}, {"head": theta[:, k:], "buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return classifier(group.fm).add(msg["theta"], state["head"]), state["buffers"]
 

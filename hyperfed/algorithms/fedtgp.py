@@ -45,6 +45,7 @@ clients need one representation width d, checked at join.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -213,7 +214,7 @@ class FedTGPClient(FedProtoClient):
         return representation_join(fm, num_samples, "fedtgp")
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         theta = state["theta"]
         if self.hp.inference == "classifier" or not msg:

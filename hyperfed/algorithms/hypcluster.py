@@ -27,6 +27,7 @@ against 0.524 at q = 3).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,7 @@ class HypClusterClient(Client):
         return {"theta": theta, "cluster": choice}, {"buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         clusters = msg["clusters"]
         choice = self.choose(group, clusters, state["buffers"])

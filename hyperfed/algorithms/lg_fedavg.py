@@ -21,6 +21,7 @@ starts from the clients' own initialization and the global layers are first set 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,7 @@ class LGFedAvgClient(PersonalModelClient):
         return {"head": head}, {"theta": theta, "buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return self.with_global(group.fm, state["theta"], msg), state["buffers"]
 

@@ -25,6 +25,7 @@ vector runs in).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -112,7 +113,7 @@ class MapperClient(Client):
     def eval_network(self, fm: FunctionalModel) -> MixtureModel:
         return MixtureModel(fm)
 
-    def _joined(self, fm: FunctionalModel, glob: Tensor, state: dict[str, Tensor]) -> tuple:
+    def _joined(self, fm: FunctionalModel, glob: Tensor, state: Mapping[str, Tensor]) -> tuple:
         mixture = MixtureModel(fm)
         theta = mixture.join(state["local"], glob.to(state["local"]), state["logit"])
         buffers = mixture.pair.join_buffers(state["buffers"], state["global_buffers"])
@@ -131,7 +132,7 @@ class MapperClient(Client):
         return {"theta": glob}, new_state, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         """``[theta_L | theta_G | a]`` and ``[local | global]`` buffers: run them in
         :meth:`eval_network` (the mixture)."""

@@ -92,6 +92,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -457,7 +458,9 @@ class MHPFedHNClient(Client):
         ]
         return torch.stack(rows).to(group.data.x.device)
 
-    def _personalize(self, group: ClientGroup, theta: Tensor, state: dict[str, Tensor]) -> Tensor:
+    def _personalize(
+        self, group: ClientGroup, theta: Tensor, state: Mapping[str, Tensor]
+    ) -> Tensor:
         personal = self.layer_mask(group, self.hp.personal_layers)
         return theta if personal is None else torch.where(personal, state["personal"], theta)
 
@@ -537,7 +540,7 @@ class MHPFedHNClient(Client):
         return reply, new_state, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         """The generated theta_i, as pFedHN evaluates (no local fine-tuning), with the
         client's own values in its personal layers."""

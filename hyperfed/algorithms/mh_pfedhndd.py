@@ -66,6 +66,7 @@ one-shot option (:class:`OneShotFedAvgServer`, the ``receive_synthetic`` capabil
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -229,7 +230,7 @@ class OneShotFedAvgClient(FedAvgClient):
         return super().fit(group, msg, state)
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         if self.hp.one_shot:
             return msg["theta"], msg.get("buffers", state["buffers"])

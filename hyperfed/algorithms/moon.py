@@ -47,6 +47,7 @@ Choices the paper leaves open, or that hyperfed's setting forces:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.nn.functional as F
@@ -162,7 +163,7 @@ class MoonClient(Client):
         return {"theta": theta}, {"theta_prev": theta, "buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         if self.hp.evaluate == "global":
             return msg["theta"], state["buffers"]

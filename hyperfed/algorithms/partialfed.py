@@ -41,6 +41,7 @@ architecture).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -158,7 +159,7 @@ class PartialFedClient(Client):
         state["local"] = own.expand(num_clients, -1).clone()  # theta^c_{t-1} on A=0 layers
         return state
 
-    def init_model(self, fm: FunctionalModel, msg: Payload, state: dict[str, Tensor]) -> Tensor:
+    def init_model(self, fm: FunctionalModel, msg: Payload, state: Mapping[str, Tensor]) -> Tensor:
         """theta^{c,init} = A * theta_t + (1 - A) * theta^c_{t-1}, layer by layer."""
         split = partial_split(fm, self.hp.local_layers)
         return split.join(split.body(msg["theta"]), state["local"])
@@ -172,7 +173,7 @@ class PartialFedClient(Client):
         return {"theta": theta}, {"local": own, "buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return self.init_model(group.fm, msg, state), state["buffers"]
 

@@ -64,6 +64,7 @@ setup exchange), fixed for the run.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -439,7 +440,7 @@ class PeFLLClient(Client):
         return reply, new_state, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return msg["theta"], state["buffers"]
 

@@ -60,6 +60,7 @@ Choices the paper leaves open (documented on :class:`PFedKTParams` and here):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -349,7 +350,7 @@ class PFedKTClient(Client):
         return {"theta": theta}, new_state, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return state["theta_prev"], state["buffers"]
 

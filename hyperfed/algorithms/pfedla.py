@@ -101,6 +101,7 @@ Homogeneous only: theta_bar_i mixes the same layer of every client's model (seed
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -281,7 +282,7 @@ class UpdateClient(Client):
         return {"delta": theta - msg["theta"]}, {**state, "buffers": buffers}, loss
 
     def eval_model(
-        self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
+        self, group: ClientGroup, msg: Payload, state: Mapping[str, Tensor]
     ) -> tuple[Tensor, Tensor]:
         return msg["theta"], state["buffers"]
 

@@ -72,6 +72,7 @@ from hyperfed.algorithms.base import (
     ClientGroup,
     Payload,
     Server,
+    StackedOnRead,
     payload_bytes,
     stack_payloads,
     unstack_payload,
@@ -617,7 +618,7 @@ class ClientRuntime:
             theta, buffers = self.client.eval_model(
                 self.group(-1, arch, part),
                 stack_payloads([msgs[c] for c in part]),
-                stack_payloads([states[c] for c in part]),
+                StackedOnRead([states[c] for c in part]),  # only what it reads
             )
             with channels_last(self.federation.nhwc):
                 net = self.client.eval_network(self.fms[arch])

@@ -24,6 +24,7 @@ from hyperfed.algorithms.base import (
     Client,
     ClientGroup,
     Payload,
+    StackedOnRead,
     payload_bytes,
     stack_payloads,
     unstack_payload,
@@ -180,7 +181,7 @@ class InMemoryTransport:
             theta, buffers = self.client.eval_model(
                 self.make_group(name, part, -1),
                 stack_payloads([msgs[c] for c in part]),
-                self.states(part),
+                StackedOnRead([self.store[c] for c in part]),  # only what it reads
             )
             net = self.client.eval_network(self.models[name])
             ok, tot, ls = evaluate_clients(net, theta, buffers, self.data, part, split)
