@@ -221,11 +221,10 @@ def test_sigterm_stops_flower_local_as_ctrl_c_does() -> None:
         _interrupt(signal.SIGTERM, None)
 
 
-def test_saving_a_checkpoint_holds_the_serialized_state_once(tmp_path: Path) -> None:
-    """A large state (a pFedKT HN(large) federation is GBs) must not be copied while it is
-    written: Python-side peak memory of ``save_checkpoint`` stays near one serialized state
-    (it was ~3: torch.save's buffer, ``getvalue()``'s copy and header + payload joined), and
-    the file still round-trips."""
+def test_saving_a_checkpoint_streams_the_state_to_the_file(tmp_path: Path) -> None:
+    """A large state (a pFedKT HN(large) federation is 6.6 GB) must not be copied while it is
+    written: Python-side peak memory of ``save_checkpoint`` is a small fraction of the
+    checkpoint (it was ~3x, then 1.13x with torch.save's buffer), and the file round-trips."""
     import tracemalloc
 
     run = RunDir(tmp_path)
@@ -238,6 +237,32 @@ def test_saving_a_checkpoint_holds_the_serialized_state_once(tmp_path: Path) -> 
     finally:
         tracemalloc.stop()
     assert size == (tmp_path / CHECKPOINT).stat().st_size > 8_000_000
-    assert peak < 1.5 * size, f"peak {peak / size:.2f}x the checkpoint"
+    assert peak < 0.1 * size, f"peak {peak / size:.2f}x the checkpoint"
     back = run.load_checkpoint()
     assert back is not None and torch.equal(back["w"], state["w"])
+
+
+def test_a_checkpoint_with_the_earlier_unpadded_header_still_loads(tmp_path: Path) -> None:
+    """Runs checkpointed before the header was padded resume: the header is one JSON line
+    either way."""
+    import hashlib
+
+    from hyperfed.runtime.rundir import CHECKPOINT_FORMAT
+
+    run = RunDir(tmp_path)
+    (tmp_path / "config.toml").write_text("rounds = 1\n")
+    buf = io.BytesIO()
+    torch.save({"round": 3, "w": torch.ones(5)}, buf)
+    payload = buf.getvalue()
+    header = {
+        "format": CHECKPOINT_FORMAT,
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "size": len(payload),
+        "config_sha256": run.config_sha256(),
+    }
+    (tmp_path / CHECKPOINT).write_bytes(json.dumps(header).encode() + b"\n" + payload)
+    back = run.load_checkpoint()
+    assert back is not None and back["round"] == 3 and torch.equal(back["w"], torch.ones(5))
+    (tmp_path / CHECKPOINT).write_bytes(json.dumps(header).encode() + b"\n" + payload[:-1])
+    with pytest.raises(RunDirError, match="truncated or corrupt"):
+        run.load_checkpoint()
