@@ -296,15 +296,15 @@ def tune(
     folder.mkdir(parents=True, exist_ok=True)
     meta = folder / "tune.json"
     wanted = {"config": str(request.config), "sets": list(request.sets), "space": sorted(space)}
-    if meta.exists():
-        before = json.loads(meta.read_text())
-        if study_identity({k: before.get(k) for k in wanted}) != study_identity(wanted):
-            raise TuneError(
-                f"{folder}: holds a study of another config or search space; "
-                "choose another --out or delete it"
-            )
+    before = json.loads(meta.read_text()) if meta.exists() else {}
+    same_study = study_identity({k: before.get(k) for k in wanted}) == study_identity(wanted)
+    if before and not same_study:
+        raise TuneError(
+            f"{folder}: holds a study of another config or search space; "
+            "choose another --out or delete it"
+        )
     study = open_study(folder, request)
-    default_trial = json.loads(meta.read_text()).get("default_trial") if meta.exists() else None
+    default_trial = before.get("default_trial")
     if not study.trials:  # a new study: trial 0 runs the config's own values
         values, why = config_default_trial(cfg, space)
         if values is not None:

@@ -70,9 +70,9 @@ def payload_bytes(payload: Payload) -> int:
 
 
 def stack_payloads(payloads: list[Payload]) -> Payload:
-    if not payloads or not payloads[0]:
-        return {}
-    return {k: torch.stack([p[k] for p in payloads]) for k in payloads[0]}
+    """Every key of the payloads stacked on a leading client axis (:class:`StackedOnRead`, read
+    whole)."""
+    return dict(StackedOnRead(payloads))
 
 
 def unstack_payload(payload: Payload, n: int) -> list[Payload]:
