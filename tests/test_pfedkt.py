@@ -124,6 +124,28 @@ def test_hypernetwork_generates_all_clients_in_one_pass_like_a_per_client_mlp():
     assert torch.allclose(scaled.std(dim=1), torch.full((2,), 0.02), rtol=1e-4)
 
 
+
+def test_chunked_generator_confines_the_model_to_a_hidden_dimensional_subspace():
+    """App. B's generator makes chunk j = W_out g(e_j) + b_out with W_out [chunk, hidden], so
+    the chunks minus b_out span at most ``hidden`` dimensions whatever phi is (the capacity
+    limit that docs/claims/001.md C1 / C5 measure); a one-chunk hypernetwork (App. G.1's
+    HN(large)) has no such limit: its b_out alone is a free copy of the model."""
+    torch.manual_seed(0)
+    hn = ChunkedHypernet(24 * 10, chunk=10, emb_dim=4, hidden=3)
+    phi = hn.init(1)
+    chunks = hn.generate(phi)[0].reshape(hn.num_chunks, hn.chunk)
+    bias = hn.layout.unflatten(phi[0])["out.bias"]
+    assert int(torch.linalg.matrix_rank(chunks - bias)) <= 3  # 24 chunks in R^10, rank <= 3
+    # a target whose chunks span all 10 directions is out of reach of the chunked generator
+    target = torch.randn(24, 10)
+    assert int(torch.linalg.matrix_rank(target - target.mean(0))) == 10
+    large = ChunkedHypernet(240, chunk=240, emb_dim=4, hidden=3)
+    w = large.layout.unflatten(large.init(1)[0])
+    w["out.weight"].zero_()
+    w["out.bias"].copy_(target.flatten())
+    phi_large = torch.cat([w[n].flatten() for n in large.layout.names])[None]
+    assert torch.allclose(large.generate(phi_large)[0], target.flatten())
+
 def _group(digits_data, clients=(0, 1, 2), vectorize=True):
     torch.manual_seed(0)
     fm = FunctionalModel(build_model("mlp", digits_data.input_shape, digits_data.num_classes))
