@@ -124,7 +124,6 @@ def test_hypernetwork_generates_all_clients_in_one_pass_like_a_per_client_mlp():
     assert torch.allclose(scaled.std(dim=1), torch.full((2,), 0.02), rtol=1e-4)
 
 
-
 def test_chunked_generator_confines_the_model_to_a_hidden_dimensional_subspace():
     """App. B's generator makes chunk j = W_out g(e_j) + b_out with W_out [chunk, hidden], so
     the chunks minus b_out span at most ``hidden`` dimensions whatever phi is (the capacity
@@ -145,6 +144,7 @@ def test_chunked_generator_confines_the_model_to_a_hidden_dimensional_subspace()
     w["out.bias"].copy_(target.flatten())
     phi_large = torch.cat([w[n].flatten() for n in large.layout.names])[None]
     assert torch.allclose(large.generate(phi_large)[0], target.flatten())
+
 
 def _group(digits_data, clients=(0, 1, 2), vectorize=True):
     torch.manual_seed(0)
