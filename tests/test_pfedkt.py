@@ -234,6 +234,18 @@ def test_heterogeneous_models_and_bad_options_are_config_errors():
         load_config(None, [*BASE, "algorithm.distance=hamming"])
     with pytest.raises(ConfigError, match="loss"):
         load_config(None, [*BASE, "algorithm.loss=ntxent"])
+    with pytest.raises(ConfigError, match="chunk"):
+        load_config(None, [*BASE, "algorithm.chunk=-1"])
+
+
+def test_chunk_zero_is_app_g1_one_shot_hypernetwork_of_the_whole_model():
+    """App. G.1's HN(large): one embedding, fc3 emits every weight of the model at once."""
+    fm = FunctionalModel(build_model("mlp", (1, 8, 8), 10))
+    ctx = ClientContext(0, torch.device("cpu"), 10, (1, 8, 8))
+    large = PFedKTClient(PFedKTParams(chunk=0), ctx).hypernet(fm)
+    assert (large.num_chunks, large.chunk) == (1, fm.num_params)
+    small = PFedKTClient(PFedKTParams(), ctx).hypernet(fm)
+    assert (small.num_chunks, small.chunk) == (math.ceil(fm.num_params / 400), 400)
 
 
 def test_server_is_fedavg_weighted_by_samples():

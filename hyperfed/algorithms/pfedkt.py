@@ -128,7 +128,10 @@ class PFedKTParams:
     - ``hn_same_start``: False = each client's phi_k^0 drawn independently (Alg. 1, App. B);
       True = one draw for all clients.
     - ``chunk``, ``emb_dim``, ``hidden``, ``n_hidden``: hypernetwork shape (Table 2/3:
-      400, 13, 100; n_hidden 1 for CIFAR-10 / Stack Overflow, 2 for CIFAR-100).
+      400, 13, 100; n_hidden 1 for CIFAR-10 / Stack Overflow, 2 for CIFAR-100). ``chunk = 0``
+      is one chunk of the whole model: App. G.1's one-shot HN(large) (Table 13), whatever the
+      model's size. Every chunk is ``out.weight @ g(e_j) + out.bias``, so the chunked model
+      lies in a ``hidden``-dimensional subspace per chunk (docs/claims/001.md, C5).
     - ``use_hypernet`` / ``use_contrastive``: Table 11's ablations: A = (False, False)
       (FedAvg), B = (True, False), C = (False, True), D = (True, True) (pFedKT).
     - ``distance`` in kl / cosine (1 - cos) / l2 (norm) / mse (squared norm) and ``loss`` in
@@ -160,7 +163,7 @@ class PFedKTParams:
     hn_same_start: bool = paper(
         False, "seed 001 Alg. 1 (phi_k^0 drawn per client), App. B (hypernetworks unrelated)"
     )
-    chunk: int = paper(400, "seed 001 App. B, Table 2")
+    chunk: int = paper(400, "seed 001 App. B, Table 2 (0 = one chunk, App. G.1's HN(large))")
     emb_dim: int = paper(13, "seed 001 Table 3")
     hidden: int = paper(100, "seed 001 Table 2")
     n_hidden: int = paper(1, "seed 001 Table 3 (CIFAR-10)")
@@ -187,8 +190,11 @@ class PFedKTParams:
             raise ValueError("alpha must be >= 0, tau and hn_lr > 0")
         if self.hn_steps < 1:
             raise ValueError(f"hn_steps={self.hn_steps}; need at least 1 (Alg. 1: one)")
-        if min(self.chunk, self.emb_dim, self.hidden) < 1 or self.n_hidden < 0:
-            raise ValueError("chunk, emb_dim, hidden must be >= 1 and n_hidden >= 0")
+        if self.chunk < 0 or min(self.emb_dim, self.hidden) < 1 or self.n_hidden < 0:
+            raise ValueError(
+                "chunk must be >= 0 (0: one chunk, HN(large)), emb_dim and hidden >= 1, "
+                "n_hidden >= 0"
+            )
 
     def hn_opt(self) -> HNOptimizer:
         """The hypernetwork optimizer, with the per-mode defaults where ``hn_lr`` /
@@ -286,7 +292,7 @@ class PFedKTClient(Client):
         hp = self.hp
         return ChunkedHypernet(
             fm.num_params,
-            chunk=hp.chunk,
+            chunk=hp.chunk or fm.num_params,  # 0: App. G.1's one-shot HN(large)
             emb_dim=hp.emb_dim,
             hidden=hp.hidden,
             n_hidden=hp.n_hidden,
