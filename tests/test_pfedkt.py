@@ -126,9 +126,9 @@ def test_hypernetwork_generates_all_clients_in_one_pass_like_a_per_client_mlp():
 
 def test_chunked_generator_confines_the_model_to_a_hidden_dimensional_subspace():
     """App. B's generator makes chunk j = W_out g(e_j) + b_out with W_out [chunk, hidden], so
-    the chunks minus b_out span at most ``hidden`` dimensions whatever phi is (the capacity
-    limit that docs/claims/001.md C1 / C5 measure); a one-chunk hypernetwork (App. G.1's
-    HN(large)) has no such limit: its b_out alone is a free copy of the model."""
+    the chunks minus b_out span at most ``hidden`` dimensions whatever phi is (the structural
+    difference docs/claims/001.md C5 probes); a one-chunk hypernetwork (App. G.1's HN(large))
+    has no such limit: its b_out alone is a free copy of the model."""
     torch.manual_seed(0)
     hn = ChunkedHypernet(24 * 10, chunk=10, emb_dim=4, hidden=3)
     phi = hn.init(1)
