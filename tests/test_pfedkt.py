@@ -238,6 +238,42 @@ def test_heterogeneous_models_and_bad_options_are_config_errors():
         load_config(None, [*BASE, "algorithm.chunk=-1"])
 
 
+def test_fixed_scale_multiplies_the_generated_model_and_its_chain_rule():
+    """theta = s * MLP(phi): generate scales each entry, and Eq. 9's VJP carries s (the chain
+    rule: (d theta/d phi)^T delta = (d MLP/d phi)^T (s * delta))."""
+    torch.manual_seed(3)
+    plain = ChunkedHypernet(30, chunk=8, emb_dim=2, hidden=4)
+    scale = torch.rand(30) + 0.5
+    scaled = ChunkedHypernet(30, chunk=8, emb_dim=2, hidden=4, scale=scale)
+    phi, delta = plain.init(2), torch.randn(2, 30)
+    assert torch.allclose(scaled.generate(phi), plain.generate(phi) * scale)
+    assert torch.allclose(scaled.grad(phi, delta), plain.grad(phi, delta * scale), atol=1e-6)
+    with pytest.raises(ValueError, match="scale"):
+        ChunkedHypernet(30, chunk=8, scale=torch.ones(29))
+
+
+def test_layer_init_starts_every_generated_layer_at_its_own_init_scale():
+    """hn_init="target" matches the whole model's std, which leaves LeNet's first conv ~9x
+    smaller than its own init (signals vanish; SGD from there stays at the majority class,
+    docs/claims/001.md); "layer" matches each layer's std within a small factor."""
+    fm = FunctionalModel(build_model("lenet", (1, 28, 28), 10))
+    omega0 = fm.initial_params()
+    ctx = ClientContext(0, torch.device("cpu"), 10, (1, 28, 28))
+
+    def ratios(init: str) -> list[float]:
+        client = PFedKTClient(PFedKTParams(hn_init=init), ctx)
+        torch.manual_seed(0)
+        gen = client.hypernet(fm).generate(client.init_state(fm, 1)["hn"])[0]
+        return [
+            float(gen[s.offset : s.end].std() / omega0[s.offset : s.end].std())
+            for s in fm.layout.segments
+            if s.end - s.offset > 50
+        ]
+
+    assert all(0.5 < r < 2 for r in ratios("layer"))
+    assert min(ratios("target")) < 1 / 3
+
+
 def test_chunk_zero_is_app_g1_one_shot_hypernetwork_of_the_whole_model():
     """App. G.1's HN(large): one embedding, fc3 emits every weight of the model at once."""
     fm = FunctionalModel(build_model("mlp", (1, 8, 8), 10))

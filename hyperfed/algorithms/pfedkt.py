@@ -38,6 +38,10 @@ Choices the paper leaves open (documented on :class:`PFedKTParams` and here):
   ``hn_init="target"`` (ours; the paper gives no init) rescales the output layer so the first
   generated model has the spread of the target model's own init (plain ``nn.Linear`` init,
   ``"linear"``, generates weights ~5x too large on kt_cnn and local SGD diverged).
+  ``hn_init="layer"`` (ours) gives each *layer* its own init spread: one shared output layer
+  makes every layer of the generated model the same spread, so with ``target`` LeNet's first
+  conv starts ~9x smaller than its own init, the signal vanishes, and 40 SGD steps from the
+  generated model stay at the majority class (docs/claims/001.md, C1's diagnosis).
 
 * **First participation.** Alg. 1 initializes every private model to the initial global
   model (``omega_k^0 = omega^0``). We do the same, so in round 1 positive and negative are
@@ -87,6 +91,7 @@ from hyperfed.models.layout import FunctionalModel
 DISTANCES = ("kl", "cosine", "l2", "mse")
 LOSSES = ("triplet", "moon", "l2reg")
 HN_TRAINING = ("end_to_end", "first_order")
+HN_INITS = ("target", "layer", "linear")
 # (optimizer, lr) of the local hypernetwork when hn_optimizer / hn_lr are left at None
 HN_DEFAULTS = {"end_to_end": ("adam", 1e-3), "first_order": ("sgd", 1e-4)}
 
@@ -124,7 +129,10 @@ class PFedKTParams:
       N(0, 1) and ``nn.Linear`` default init, with the output layer rescaled so the first
       generated model has the standard deviation of the target model's own initialization
       omega^0; ``linear``: no rescaling (on kt_cnn its generated weights are ~5x the usual
-      init scale and local SGD at lr 1e-2 diverges to NaN for some clients).
+      init scale and local SGD at lr 1e-2 diverges to NaN for some clients); ``layer``: the
+      output at unit std times a fixed per-entry scale, each layer's std in omega^0
+      (:func:`layer_scale`, ``ChunkedHypernet.scale``), so every layer starts at its own
+      init spread.
     - ``hn_same_start``: False = each client's phi_k^0 drawn independently (Alg. 1, App. B);
       True = one draw for all clients.
     - ``chunk``, ``emb_dim``, ``hidden``, ``n_hidden``: hypernetwork shape (Table 2/3:
@@ -178,8 +186,8 @@ class PFedKTParams:
             raise ValueError(f"distance={self.distance!r}; allowed: {', '.join(DISTANCES)}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss={self.loss!r}; allowed: {', '.join(LOSSES)}")
-        if self.hn_init not in ("target", "linear"):
-            raise ValueError(f"hn_init={self.hn_init!r}; allowed: target, linear")
+        if self.hn_init not in HN_INITS:
+            raise ValueError(f"hn_init={self.hn_init!r}; allowed: {', '.join(HN_INITS)}")
         if self.hn_training not in HN_TRAINING:
             raise ValueError(f"hn_training={self.hn_training!r}; allowed: {', '.join(HN_TRAINING)}")
         if self.hn_optimizer not in (None, "sgd", "adam"):
@@ -201,6 +209,18 @@ class PFedKTParams:
         ``hn_optimizer`` are None (:data:`HN_DEFAULTS`)."""
         name, lr = HN_DEFAULTS[self.hn_training]
         return HNOptimizer(self.hn_optimizer or name, self.hn_lr or lr, self.hn_momentum)
+
+
+def layer_scale(fm: FunctionalModel) -> Tensor:
+    """``[K]``: each entry's layer's std in the target model's own init ``omega^0`` (the whole
+    model's std for a constant layer, e.g. a BatchNorm weight), for ``hn_init = "layer"``."""
+    omega0 = fm.initial_params()
+    overall = float(omega0.std())
+    scale = torch.empty_like(omega0)
+    for seg in fm.layout.segments:
+        std = float(omega0[seg.offset : seg.end].std()) if seg.end - seg.offset > 1 else 0.0
+        scale[seg.offset : seg.end] = std if std > 0 else overall
+    return scale
 
 
 def logit_distance(anchor: Tensor, ref: Tensor, kind: str) -> Tensor:
@@ -296,6 +316,7 @@ class PFedKTClient(Client):
             emb_dim=hp.emb_dim,
             hidden=hp.hidden,
             n_hidden=hp.n_hidden,
+            scale=layer_scale(fm) if hp.hn_init == "layer" else None,
         )
 
     def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
@@ -303,7 +324,8 @@ class PFedKTClient(Client):
         omega0 = fm.initial_params()
         state["theta_prev"] = omega0.expand(num_clients, -1).clone()  # omega_k^0 = omega^0
         if self.hp.use_hypernet:
-            std = float(omega0.std()) if self.hp.hn_init == "target" else None
+            # "layer": the MLP's output at unit std, times each layer's std (ChunkedHypernet.scale)
+            std = {"target": float(omega0.std()), "layer": 1.0}.get(self.hp.hn_init)
             hn = self.hypernet(fm)
             if self.hp.hn_same_start:  # one draw, the same in every process (Flower too)
                 with torch.random.fork_rng(devices=[]):

@@ -49,7 +49,10 @@ class ChunkedHypernet:
         emb_dim: int = 13,
         hidden: int = 100,
         n_hidden: int = 1,
+        scale: Tensor | None = None,
     ) -> None:
+        if scale is not None and scale.shape != (num_params,):
+            raise ValueError(f"scale must have shape ({num_params},), got {tuple(scale.shape)}")
         if min(num_params, chunk, emb_dim, hidden) < 1 or n_hidden < 0:
             raise ValueError(
                 "num_params, chunk, emb_dim and hidden must be >= 1 and n_hidden >= 0; got "
@@ -61,6 +64,10 @@ class ChunkedHypernet:
         self.hidden = hidden
         self.n_hidden = n_hidden
         self.num_chunks = math.ceil(num_params / chunk)
+        # fixed (never trained) multiplier of each generated entry: theta = scale * MLP output.
+        # One shared output layer gives every layer of the target the same scale; this gives
+        # each layer its own (pFedKT's hn_init = "layer")
+        self.scale = scale
         shapes: list[tuple[str, tuple[int, ...]]] = [("emb", (self.num_chunks, emb_dim))]
         fan_in = emb_dim
         for i in range(n_hidden + 1):
@@ -86,7 +93,9 @@ class ChunkedHypernet:
         Embeddings ~ N(0, 1) (as ``nn.Embedding``); Linear layers as ``nn.Linear``'s default,
         U(+-1/sqrt(fan_in)) for weights and biases. ``target_std`` rescales the output layer
         so each client's initial generated vector has that standard deviation (e.g. the
-        target model's own init scale); None keeps the plain ``nn.Linear`` init.
+        target model's own init scale); None keeps the plain ``nn.Linear`` init. The std is
+        the MLP's, before ``scale``: with a per-layer ``scale``, ``target_std=1`` gives each
+        layer of the generated model the std in ``scale``.
         """
         parts: dict[str, Tensor] = {}
         for seg in self.layout.segments:
@@ -99,7 +108,7 @@ class ChunkedHypernet:
         phi = torch.cat([parts[s.name].reshape(num_clients, -1) for s in self.layout.segments], 1)
         phi = phi.to(device)
         if target_std is not None:
-            std = self.generate(phi).std(dim=1, keepdim=True)
+            std = self._mlp(phi).std(dim=1, keepdim=True)  # before ``scale``
             out = self.layout.mask(("out.",)).to(phi.device)
             scale = torch.where(out, target_std / std.clamp(min=1e-12), torch.ones_like(std))
             phi = phi * scale
@@ -112,6 +121,10 @@ class ChunkedHypernet:
 
     def generate(self, phi: Tensor) -> Tensor:
         """``theta[C, K]`` from ``phi[C, P]``: all chunks of all clients in one batched pass."""
+        theta = self._mlp(phi)
+        return theta if self.scale is None else theta * self.scale.to(theta)
+
+    def _mlp(self, phi: Tensor) -> Tensor:
         w = self.layout.unflatten(phi)
         h = w["emb"]  # [C, n, e]
         for i in range(self.n_hidden + 1):
