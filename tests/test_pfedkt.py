@@ -272,6 +272,10 @@ def test_layer_init_starts_every_generated_layer_at_its_own_init_scale():
 
     assert all(0.5 < r < 2 for r in ratios("layer"))
     assert min(ratios("target")) < 1 / 3
+    # None resolves per mode: layer for end_to_end, target for first_order
+    assert PFedKTParams().init_kind() == "layer"
+    assert PFedKTParams(hn_training="first_order").init_kind() == "target"
+    assert PFedKTParams(hn_training="first_order", hn_init="layer").init_kind() == "layer"
 
 
 def test_chunk_zero_is_app_g1_one_shot_hypernetwork_of_the_whole_model():
@@ -593,6 +597,7 @@ def _e2e_setup(hn_optimizer: str | None, hn_lr: float | None = None):
         hn_training="end_to_end",
         hn_optimizer=hn_optimizer,
         hn_lr=hn_lr,
+        hn_init="target",  # the by-hand generator below has no per-layer scale
         **HN_SHAPE,
     )
     client = PFedKTClient(hp, ClientContext(0, torch.device("cpu"), N_CLS, (D_IN,)))
@@ -812,9 +817,9 @@ def test_each_client_hypernetwork_starts_from_its_own_draw_unless_asked():
     fm = _lin_fm()
     ctx = ClientContext(3, torch.device("cpu"), N_CLS, (D_IN,))
     torch.manual_seed(0)
-    own = PFedKTClient(PFedKTParams(**HN_SHAPE), ctx).init_state(fm, 3)["hn"]
+    own = PFedKTClient(PFedKTParams(hn_init="target", **HN_SHAPE), ctx).init_state(fm, 3)["hn"]
     assert not torch.allclose(own[0], own[1]) and not torch.allclose(own[1], own[2])
-    same = PFedKTClient(PFedKTParams(hn_same_start=True, **HN_SHAPE), ctx)
+    same = PFedKTClient(PFedKTParams(hn_same_start=True, hn_init="target", **HN_SHAPE), ctx)
     together = same.init_state(fm, 3)["hn"]
     torch.manual_seed(123)  # another process: another global RNG state
     alone = same.init_state(fm, 1)["hn"]

@@ -92,6 +92,8 @@ DISTANCES = ("kl", "cosine", "l2", "mse")
 LOSSES = ("triplet", "moon", "l2reg")
 HN_TRAINING = ("end_to_end", "first_order")
 HN_INITS = ("target", "layer", "linear")
+# the hypernetwork's start when hn_init is left at None (chosen on validation, PFedKTParams)
+HN_INIT_DEFAULTS = {"end_to_end": "layer", "first_order": "target"}
 # (optimizer, lr) of the local hypernetwork when hn_optimizer / hn_lr are left at None
 HN_DEFAULTS = {"end_to_end": ("adam", 1e-3), "first_order": ("sgd", 1e-4)}
 
@@ -165,8 +167,10 @@ class PFedKTParams:
     )
     hn_momentum: float = paper(0.0, "seed 001 Eq. 10 (a plain gradient step)")
     hn_steps: int = paper(1, "seed 001 Alg. 1 (one Eq. 10 step a round; first_order only)")
-    hn_init: str = chosen(
-        "target", "the paper gives no init; 'linear' (plain nn.Linear) diverged on kt_cnn"
+    hn_init: str | None = chosen(
+        None,
+        "None = per mode (the paper gives no init): layer for end_to_end (val acc VAL_NUMBERS), "
+        "target for first_order (layer diverges at its SGD 1e-4); 'linear' diverged on kt_cnn",
     )
     hn_same_start: bool = paper(
         False, "seed 001 Alg. 1 (phi_k^0 drawn per client), App. B (hypernetworks unrelated)"
@@ -186,7 +190,7 @@ class PFedKTParams:
             raise ValueError(f"distance={self.distance!r}; allowed: {', '.join(DISTANCES)}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss={self.loss!r}; allowed: {', '.join(LOSSES)}")
-        if self.hn_init not in HN_INITS:
+        if self.hn_init is not None and self.hn_init not in HN_INITS:
             raise ValueError(f"hn_init={self.hn_init!r}; allowed: {', '.join(HN_INITS)}")
         if self.hn_training not in HN_TRAINING:
             raise ValueError(f"hn_training={self.hn_training!r}; allowed: {', '.join(HN_TRAINING)}")
@@ -203,6 +207,10 @@ class PFedKTParams:
                 "chunk must be >= 0 (0: one chunk, HN(large)), emb_dim and hidden >= 1, "
                 "n_hidden >= 0"
             )
+
+    def init_kind(self) -> str:
+        """``hn_init``, with the per-mode default where it is None (:data:`HN_INIT_DEFAULTS`)."""
+        return self.hn_init or HN_INIT_DEFAULTS[self.hn_training]
 
     def hn_opt(self) -> HNOptimizer:
         """The hypernetwork optimizer, with the per-mode defaults where ``hn_lr`` /
@@ -316,7 +324,7 @@ class PFedKTClient(Client):
             emb_dim=hp.emb_dim,
             hidden=hp.hidden,
             n_hidden=hp.n_hidden,
-            scale=layer_scale(fm) if hp.hn_init == "layer" else None,
+            scale=layer_scale(fm) if hp.init_kind() == "layer" else None,
         )
 
     def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
@@ -325,7 +333,7 @@ class PFedKTClient(Client):
         state["theta_prev"] = omega0.expand(num_clients, -1).clone()  # omega_k^0 = omega^0
         if self.hp.use_hypernet:
             # "layer": the MLP's output at unit std, times each layer's std (ChunkedHypernet.scale)
-            std = {"target": float(omega0.std()), "layer": 1.0}.get(self.hp.hn_init)
+            std = {"target": float(omega0.std()), "layer": 1.0}.get(self.hp.init_kind())
             hn = self.hypernet(fm)
             if self.hp.hn_same_start:  # one draw, the same in every process (Flower too)
                 with torch.random.fork_rng(devices=[]):
