@@ -169,8 +169,9 @@ class PFedKTParams:
     hn_steps: int = paper(1, "seed 001 Alg. 1 (one Eq. 10 step a round; first_order only)")
     hn_init: str | None = chosen(
         None,
-        "None = per mode (the paper gives no init): layer for end_to_end (val acc VAL_NUMBERS), "
-        "target for first_order (layer diverges at its SGD 1e-4); 'linear' diverged on kt_cnn",
+        "None = per mode (the paper gives no init): layer for end_to_end (val acc 0.951 vs "
+        "0.804 for target, configs/seed001/fmnist_val.toml, seeds 0-1), target for first_order "
+        "(layer: non-finite at its SGD 1e-4); 'linear' diverged on kt_cnn",
     )
     hn_same_start: bool = paper(
         False, "seed 001 Alg. 1 (phi_k^0 drawn per client), App. B (hypernetworks unrelated)"
