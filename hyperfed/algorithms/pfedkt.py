@@ -316,10 +316,15 @@ class PFedKTClient(Client):
         self.opt = hp.hn_opt()
         self.rule = local_rule(self.opt)  # end_to_end: phi's step at every local step
         self.loss_fn = pfedkt_loss(hp)
+        self._hypernets: list[tuple[FunctionalModel, ChunkedHypernet]] = []
 
     def hypernet(self, fm: FunctionalModel) -> ChunkedHypernet:
+        """The hypernetwork shape for ``fm``, built once (its per-layer scale reads omega^0)."""
+        for known, hn in self._hypernets:
+            if known is fm:
+                return hn
         hp = self.hp
-        return ChunkedHypernet(
+        hn = ChunkedHypernet(
             fm.num_params,
             chunk=hp.chunk or fm.num_params,  # 0: App. G.1's one-shot HN(large)
             emb_dim=hp.emb_dim,
@@ -327,6 +332,8 @@ class PFedKTClient(Client):
             n_hidden=hp.n_hidden,
             scale=layer_scale(fm) if hp.init_kind() == "layer" else None,
         )
+        self._hypernets.append((fm, hn))
+        return hn
 
     def init_state(self, fm: FunctionalModel, num_clients: int) -> dict[str, Tensor]:
         state = super().init_state(fm, num_clients)
