@@ -357,7 +357,8 @@ def tune(
 
     request = TuneRequest(config, tuple(set_ or []), trials, seed)
     try:
-        space = search_space(request.base_config().algorithm.name)
+        cfg = request.base_config()
+        space = search_space(cfg.algorithm.name, cfg.hparams())
     except HyperfedError as e:
         fail(str(e))
         return

@@ -64,14 +64,15 @@ class TrainingDiverged(Exception):
         self.round = round
 
 
-def search_space(algorithm_name: str) -> dict[str, Space]:
-    """The ``--set`` keys a method's study varies: ``local.lr`` and its ``Algorithm.tune``."""
+def search_space(algorithm_name: str, hparams: Any = None) -> dict[str, Space]:
+    """The ``--set`` keys a method's study varies: ``local.lr`` (where its training reads it
+    under ``hparams``, the method's defaults when None) and its ``Algorithm.tune``."""
     from hyperfed.algorithms import get_algorithm
 
     alg = get_algorithm(algorithm_name)
-    return {"local.lr": LOCAL_LR} | {
-        f"algorithm.{alg.name}.{k}": space for k, space in alg.tune.items()
-    }
+    hp = alg.hparams() if hparams is None else hparams
+    local = {"local.lr": LOCAL_LR} if alg.tunes_local_lr(hp) else {}
+    return local | {f"algorithm.{alg.name}.{k}": space for k, space in alg.tune.items()}
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ def config_default_trial(
         value = local_lr if key == "local.lr" else getattr(hp, name)
         if value is None and name in alg.unset_is_local_lr:
             value = local_lr
+        elif value is None and alg.unset_value is not None:
+            value = alg.unset_value(hp, name)
         if not s.contains(value):
             return None, f"{key} = {value!r} is outside its search space {s.describe()}"
         values[key] = value if s.choices or s.integer else float(value)
@@ -292,7 +295,7 @@ def tune(
     if parallel < 1:
         raise TuneError(f"--parallel {parallel}: need at least 1")
     cfg = request.base_config()  # config errors surface here, before any work
-    space = search_space(cfg.algorithm.name)
+    space = search_space(cfg.algorithm.name, cfg.hparams())
     folder.mkdir(parents=True, exist_ok=True)
     meta = folder / "tune.json"
     wanted = {"config": str(request.config), "sets": list(request.sets), "space": sorted(space)}

@@ -29,7 +29,8 @@ def test_every_method_tunes_its_lr_and_the_paper_s_hyperparameters() -> None:
 
     for name in registry():
         space = search_space(name)
-        assert space["local.lr"] == tune_mod.LOCAL_LR, name
+        if name != "pfedkt":  # end to end it reads no [local] lr (the test below)
+            assert space["local.lr"] == tune_mod.LOCAL_LR, name
         # every declared key is a hyperparameter of the method (a typo would tune nothing)
         hp = registry()[name].hparams()
         for key in space:
@@ -273,7 +274,30 @@ def test_every_shipped_config_s_own_values_can_be_trial_0() -> None:
     assert len(configs) > 50
     for path in configs:
         cfg = load_config(path, [])
-        values, why = tune_mod.config_default_trial(cfg, search_space(cfg.algorithm.name))
+        space = search_space(cfg.algorithm.name, cfg.hparams())
+        values, why = tune_mod.config_default_trial(cfg, space)
         assert values is not None, (path.name, why)
         if path.name == "dfedhp_cifar10_dir0.3.toml":  # lr_phi unset: it runs at the [local] lr
             assert values["algorithm.dfedhp.lr_phi"] == values["local.lr"] == cfg.local.lr
+
+
+def test_pfedkt_end_to_end_tunes_its_hypernetwork_step_not_the_unused_local_lr() -> None:
+    """End to end (the default) pFedKT trains only phi with hn_lr (eta_HN, Eq. 1); a study over
+    local.lr there would vary nothing. First-order trains theta with the [local] lr as well."""
+    from hyperfed.algorithms.pfedkt import PFedKTParams
+    from hyperfed.config import load_config
+
+    end_to_end = search_space("pfedkt")
+    assert "local.lr" not in end_to_end and "algorithm.pfedkt.hn_lr" in end_to_end
+    first_order = search_space("pfedkt", PFedKTParams(hn_training="first_order"))
+    assert "local.lr" in first_order
+    # trial 0 runs the config's own values: hn_lr None means the mode's default step
+    cfg = load_config(Path(__file__).parents[1] / "configs/pfedkt_fmnist.toml", [])
+    values, why = tune_mod.config_default_trial(cfg, search_space("pfedkt", cfg.hparams()))
+    assert values == {"algorithm.pfedkt.mu": 0.001, "algorithm.pfedkt.hn_lr": 1e-3}, why
+    cfg = load_config(
+        Path(__file__).parents[1] / "configs/pfedkt_fmnist.toml",
+        ["algorithm.pfedkt.hn_training=first_order"],
+    )
+    values, why = tune_mod.config_default_trial(cfg, search_space("pfedkt", cfg.hparams()))
+    assert values is not None and values["algorithm.pfedkt.hn_lr"] == 1e-4, why

@@ -516,11 +516,21 @@ class Algorithm:
     # hyperparameters for a method whose ``evaluate`` option switches it
     scores: str | Callable[[Any], str] = "personalized"
     # hyperfed tune: the hyperparameters its paper tunes, each with its range (every method
-    # also tunes the local lr; hyperfed.tune.search_space)
+    # whose training reads it also tunes the local lr; hyperfed.tune.search_space)
     tune: dict[str, Space] = dataclasses.field(default_factory=dict)
     # tuned learning rates whose unset default (None) means the [local] lr: a study's trial 0
     # (the config's own values) runs them at that lr
     unset_is_local_lr: tuple[str, ...] = ()
+    # what any other tuned hyperparameter left unset (None) runs at, a function of
+    # (hyperparameters, name) for trial 0 (e.g. pFedKT's per-mode hn_lr)
+    unset_value: Callable[[Any, str], Any] | None = None
+    # whether training reads the [local] lr under these hyperparameters: where it does not
+    # (pFedKT end to end trains only its hypernetwork), a study does not search it
+    uses_local_lr: Callable[[Any], bool] | None = None
+
+    def tunes_local_lr(self, hp: Any) -> bool:
+        """Whether ``hyperfed tune`` searches ``local.lr`` for this method under ``hp``."""
+        return self.uses_local_lr is None or self.uses_local_lr(hp)
 
     def scored_model(self, hp: Any) -> str:
         """The key of :data:`SCORED_MODELS` this method's evaluation scores under ``hp``."""

@@ -407,5 +407,9 @@ ALGORITHM = Algorithm(
     client=PFedKTClient,
     homogeneous_only=True,
     local_defaults=SEED001,
-    tune={"mu": Space(1e-4, 1e-1, log=True)},  # seed 001 Table 3 varies mu
+    # seed 001 Table 3 varies mu; eta_HN is phi's step (Eq. 1/10). End to end, training reads
+    # no [local] lr, so a study searches hn_lr in its place; trial 0 runs the mode's default.
+    tune={"mu": Space(1e-4, 1e-1, log=True), "hn_lr": Space(1e-4, 1e-2, log=True)},
+    uses_local_lr=lambda hp: hp.hn_training == "first_order",
+    unset_value=lambda hp, name: hp.hn_opt().lr if name == "hn_lr" else None,
 )
