@@ -206,3 +206,55 @@ def test_clients_are_scored_by_the_nearest_global_prototype() -> None:
     assert torch.equal(own, new_state["theta"])
     _, clf_client, _, _, _, clf_state = fit(0.7, inference="classifier")
     assert torch.equal(clf_client.eval_model(group, msg, clf_state)[0], clf_state["theta"])
+
+
+def test_server_trains_at_the_clients_lr_and_batch_unless_set() -> None:
+    """The authors' servertgp.py: the generator's SGD uses args.local_learning_rate and
+    args.batch_size, the clients' own. Left at None, server_lr / server_batch_size take the
+    [local] values the federation hands the server; the step is then the hand-checked one
+    above (lr 0.2, one batch of 16), and a server set explicitly elsewhere steps differently."""
+    joins = {c: {"num_samples": torch.tensor(4), "feature_dim": torch.tensor(2)} for c in (0, 1)}
+    up = PROTOS.float()
+    replies = {
+        0: {"proto_classes": torch.tensor([0, 1], dtype=torch.int32), "protos": up[[0, 2]]},
+        1: {"proto_classes": torch.tensor([0, 2], dtype=torch.int32), "protos": up[[1, 3]]},
+    }
+    local = SGDConfig(lr=0.2, batch_size=16)
+
+    def with_local(**hp: Any) -> FedTGPServer:
+        ctx = ServerContext(5, CPU, 4, (D_IN,), local=local)
+        return FedTGPServer(FedTGPParams(server_epochs=1, **hp), joins, ctx)
+
+    inherited, explicit = (
+        with_local(),
+        server_for(server_epochs=1, server_batch_size=16, server_lr=0.2),
+    )
+    own_lr, own_batch = with_local(server_lr=0.05), with_local(server_batch_size=1)
+    assert (inherited.server_lr, inherited.server_batch_size) == (0.2, 16)
+    assert (own_lr.server_lr, own_batch.server_batch_size) == (0.05, 1)
+    for server in (inherited, explicit, own_lr, own_batch):
+        server.aggregate(1, replies)
+    assert torch.equal(inherited.protos, explicit.protos)
+    assert not torch.allclose(inherited.protos, own_lr.protos)
+    assert not torch.allclose(inherited.protos, own_batch.protos)
+    with pytest.raises(ValueError, match="no \\[local\\] settings"):
+        server_for(server_epochs=1)  # no federation: nothing to inherit
+
+
+def test_the_federation_hands_its_local_settings_to_the_fedtgp_server() -> None:
+    from hyperfed.config import load_config
+    from hyperfed.runtime.simulate import Simulation
+
+    sets = [
+        "device=cpu",
+        "rounds=1",
+        "dataset.name=digits",
+        "dataset.subsample=120",
+        "clients.count=2",
+        "clients.models=lenet",
+        "algorithm.name=fedtgp",
+        "local.lr=0.03",
+        "local.batch_size=24",
+    ]
+    server = Simulation(load_config(None, sets)).server
+    assert (server.server_lr, server.server_batch_size) == (0.03, 24)  # type: ignore[attr-defined]

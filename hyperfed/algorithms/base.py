@@ -187,6 +187,9 @@ class ServerContext:
     # the architectures in this federation, for methods whose server owns a model (FedAvg)
     models: dict[str, FunctionalModel] = dataclasses.field(default_factory=dict)
     rounds: int = 0  # planned number of rounds (for methods with phases)
+    # the clients' local SGD settings ([local], resolved), for servers whose reference reuses
+    # them (FedTGP's server trains at the client lr and batch); None outside a federation
+    local: SGDConfig | None = None
 
     @property
     def shared_model(self) -> FunctionalModel | None:

@@ -22,7 +22,8 @@ common width d. Round t:
    b. generates ``P_hat^c = W(e^c)`` for all classes from learnable embeddings
       ``e^c in R^d`` through a two-layer network ``W`` = Linear(d, hidden) - ReLU -
       Linear(hidden, d), and trains (e, W) for ``server_epochs`` passes over the uploaded
-      prototypes (mini-batches of ``server_batch_size``, SGD of ``server_lr``) on the ACL loss
+      prototypes (mini-batches of ``server_batch_size``, SGD of ``server_lr``; by default the
+      clients' own batch size and lr, as the authors' server) on the ACL loss
       ``-log( exp(-(phi(P_k^c, P_hat^c) + delta)) /
       ( exp(-(phi(P_k^c, P_hat^c) + delta)) + sum_{c' != c} exp(-phi(P_k^c, P_hat^{c'})) ) )``
       with phi the Euclidean distance: a softmax cross-entropy on negative distances whose
@@ -87,8 +88,13 @@ class FedTGPParams:
     lam: float = chosen(10.0, f"{CODE}: -lam 10 (FedProto's official value)")
     tau: float = chosen(100.0, f"{CODE}: -mart 100, the margin threshold")
     server_epochs: int = chosen(100, f"{CODE}: -se 100")
-    server_lr: float = chosen(0.01, f"{CODE}: the server reuses the client lr, -lr 0.01")
-    server_batch_size: int = chosen(10, f"{CODE}: the server reuses the client batch, -lbs 10")
+    # None = the clients' [local] lr / batch: the authors' servertgp.py trains the generator
+    # with args.local_learning_rate and args.batch_size (with run_me.sh's 10 at the server's
+    # fixed batch 10, seed 003's batch-64 clients drove the margin up until VGG8 diverged)
+    server_lr: float | None = chosen(None, "None = the [local] lr, as the authors' servertgp.py")
+    server_batch_size: int | None = chosen(
+        None, "None = the [local] batch size, as the authors' servertgp.py"
+    )
     hidden: int = chosen(0, "width of W's hidden layer; 0 = d, as the authors' code")
     inference: str = chosen(
         "prototype", "nearest global prototype, as the authors' clienttgp.test_metrics"
@@ -99,9 +105,9 @@ class FedTGPParams:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
         if self.tau < 0:
             raise ValueError(f"tau must be >= 0, got {self.tau}")
-        if self.server_epochs < 1 or self.server_batch_size < 1:
+        if self.server_epochs < 1 or (self.server_batch_size or 1) < 1:
             raise ValueError("server_epochs and server_batch_size must be >= 1")
-        if self.server_lr <= 0:
+        if self.server_lr is not None and self.server_lr <= 0:
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
         if self.hidden < 0:
             raise ValueError(
@@ -157,6 +163,16 @@ class FedTGPServer(Server):
             torch.manual_seed(ctx.seed)
             tgp = TrainableGlobalPrototypes(ctx.num_classes, self.dim, hp.hidden or self.dim)
         self.tgp = tgp.to(ctx.device)
+        # the generator's SGD step and batch: the clients' own unless set
+        lr, batch = hp.server_lr, hp.server_batch_size
+        if ctx.local is not None:
+            lr, batch = lr or ctx.local.lr, batch or ctx.local.batch_size
+        if lr is None or batch is None:
+            raise ValueError(
+                "fedtgp: server_lr / server_batch_size left at None (the clients' [local] lr / "
+                "batch) but the server was given no [local] settings; set both"
+            )
+        self.server_lr, self.server_batch_size = lr, batch
         self.protos = torch.zeros(ctx.num_classes, self.dim, device=ctx.device)
         self.proto_mask = torch.zeros(ctx.num_classes, device=ctx.device)
         self.margin = torch.zeros((), device=ctx.device)  # the last round's delta (logged state)
@@ -181,7 +197,7 @@ class FedTGPServer(Server):
             return
         protos = protos.to(self.protos.dtype)
         self.margin = adaptive_margin(protos, labels, self.ctx.num_classes, self.hp.tau)
-        opt = torch.optim.SGD(self.tgp.parameters(), lr=self.hp.server_lr)
+        opt = torch.optim.SGD(self.tgp.parameters(), lr=self.server_lr)
         with (
             torch.enable_grad(),
             phase(
@@ -190,7 +206,7 @@ class FedTGPServer(Server):
         ):
             for epoch in range(self.hp.server_epochs):
                 seed = client_seed(self.ctx.seed, rnd, 0, salt=epoch)
-                for b in minibatches(len(labels), self.hp.server_batch_size, seed, protos.device):
+                for b in minibatches(len(labels), self.server_batch_size, seed, protos.device):
                     loss = acl_loss(protos[b], labels[b], self.tgp(), self.margin)
                     opt.zero_grad()
                     loss.backward()

@@ -248,7 +248,9 @@ class Federation:
     ) -> Server:
         """The algorithm's server role for these joins, built right after seeding."""
         cfg = self.cfg
-        ctx = ServerContext(cfg.seed, self.device, num_classes, input_shape, models, cfg.rounds)
+        ctx = ServerContext(
+            cfg.seed, self.device, num_classes, input_shape, models, cfg.rounds, self.sgd
+        )
         torch.manual_seed(cfg.seed)
         return self.algorithm.server(self.hp, joins, ctx)
 
