@@ -118,10 +118,8 @@ def config_default_trial(
     for key, s in space.items():
         name = key.rsplit(".", 1)[1]
         value = local_lr if key == "local.lr" else getattr(hp, name)
-        if value is None and name in alg.unset_is_local_lr:
-            value = local_lr
-        elif value is None and alg.unset_value is not None:
-            value = alg.unset_value(hp, name)
+        if value is None and alg.unset_value is not None:
+            value = alg.unset_value(hp, name, local_lr)
         if not s.contains(value):
             return None, f"{key} = {value!r} is outside its search space {s.describe()}"
         values[key] = value if s.choices or s.integer else float(value)

@@ -521,12 +521,10 @@ class Algorithm:
     # hyperfed tune: the hyperparameters its paper tunes, each with its range (every method
     # whose training reads it also tunes the local lr; hyperfed.tune.search_space)
     tune: dict[str, Space] = dataclasses.field(default_factory=dict)
-    # tuned learning rates whose unset default (None) means the [local] lr: a study's trial 0
-    # (the config's own values) runs them at that lr
-    unset_is_local_lr: tuple[str, ...] = ()
-    # what any other tuned hyperparameter left unset (None) runs at, a function of
-    # (hyperparameters, name) for trial 0 (e.g. pFedKT's per-mode hn_lr)
-    unset_value: Callable[[Any, str], Any] | None = None
+    # what a tuned hyperparameter left unset (None) runs at, a function of (hyperparameters,
+    # name, the resolved [local] lr), so a study's trial 0 (the config's own values) can run
+    # it: DFedHP's lr_phi / lr_z are the local lr, pFedKT's hn_lr its mode's default
+    unset_value: Callable[[Any, str, float], Any] | None = None
     # whether training reads the [local] lr under these hyperparameters: where it does not
     # (pFedKT end to end trains only its hypernetwork), a study does not search it
     uses_local_lr: Callable[[Any], bool] | None = None

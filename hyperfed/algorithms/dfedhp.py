@@ -260,5 +260,5 @@ ALGORITHM = Algorithm(
     # and the embedding's (z) beside the local lr (which trains the head v); up to 2, so the
     # FMNIST configs' 1.0 (their trial 0) lies inside and 4 (diverged there) does not
     tune={"lr_phi": Space(1e-3, 2.0, log=True), "lr_z": Space(1e-3, 2.0, log=True)},
-    unset_is_local_lr=("lr_phi", "lr_z"),
+    unset_value=lambda hp, name, local_lr: local_lr if name in ("lr_phi", "lr_z") else None,
 )

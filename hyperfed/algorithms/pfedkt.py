@@ -411,5 +411,5 @@ ALGORITHM = Algorithm(
     # no [local] lr, so a study searches hn_lr in its place; trial 0 runs the mode's default.
     tune={"mu": Space(1e-4, 1e-1, log=True), "hn_lr": Space(1e-4, 1e-2, log=True)},
     uses_local_lr=lambda hp: hp.hn_training == "first_order",
-    unset_value=lambda hp, name: hp.hn_opt().lr if name == "hn_lr" else None,
+    unset_value=lambda hp, name, local_lr: hp.hn_opt().lr if name == "hn_lr" else None,
 )
