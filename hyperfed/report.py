@@ -56,7 +56,8 @@ METRIC_NOTE = (
     "global model), personalized (each client's own model) or local (each client's model "
     "after its latest local training). *plateau*: the mean accuracy over the last 10% of "
     f"rounds rose by less than {PLATEAU_POINTS} points over the 10% before (for a row of "
-    "several seeds: its mean over seeds did); a row marked not converged (with that rise) is "
+    "several seeds: its mean over seeds did; for a held-out-client run, both its training "
+    "phase and its adaptation rounds did); a row marked not converged (with that rise) is "
     "not ranked."
 )
 
@@ -77,6 +78,31 @@ def plateau_gain(records: list[dict[str, Any]], window: float = PLATEAU_WINDOW) 
     if not now or not before:
         return None
     return sum(now) / len(now) - sum(before) / len(before)
+
+
+def adaptation_rounds(cfg: dict[str, Any]) -> int:
+    """The final rounds of a held-out-client run (``algorithm.<name>.adapt_rounds``, MH-pFedHN's
+    and PeFLL's ``new_clients`` mode) in which nothing shared trains; 0 for any other run."""
+    algorithm = cfg.get("algorithm", {})
+    own = algorithm.get(algorithm.get("name", ""), {})
+    return int(own.get("adapt_rounds", 0) or 0) if isinstance(own, dict) else 0
+
+
+def held_out_gain(records: list[dict[str, Any]], adapt_rounds: int) -> float | None:
+    """The last-window gain of a held-out-client run: the larger of its training phase's (the
+    rounds before the final ``adapt_rounds``, where the shared model learns) and its
+    adaptation phase's (where only new clients' parts may move). The last 10% of such a run can
+    be frozen adaptation rounds (PeFLL generates new clients' models with no training), so its
+    own window would call a still-rising training curve a plateau. None when the training
+    phase has too few evaluations to tell."""
+    last = int(records[-1]["round"]) if records else 0
+    training = [r for r in records if int(r["round"]) <= last - adapt_rounds]
+    adapting = [r for r in records if int(r["round"]) > last - adapt_rounds]
+    train_gain = plateau_gain(training)
+    if train_gain is None:
+        return None
+    adapt_gain = plateau_gain(adapting)
+    return train_gain if adapt_gain is None else max(train_gain, adapt_gain)
 
 
 def plateaued(gain: float | None, points: float = PLATEAU_POINTS) -> bool:
@@ -105,7 +131,8 @@ def run_summary(path: str | Path) -> dict[str, Any]:
     best_by = "val" if all(r.get("val_mean_acc") is not None for r in records) else "test"
     best = max(records, key=lambda r: r["val_mean_acc" if best_by == "val" else "mean_acc"])
     rounds = max(1, final["round"])
-    gain = plateau_gain(records)
+    adapt = adaptation_rounds(cfg)
+    gain = held_out_gain(records, adapt) if adapt else plateau_gain(records)
     return {
         "run": path.name,
         "path": str(path),

@@ -314,3 +314,41 @@ def test_cpu_hard_gives_each_client_less_data_and_is_refused_where_unmeasured() 
         sweep_args(TARGETS["000:table1"], "gpu", Path("configs"))
     bad = CliRunner().invoke(app, ["reproduce", "001:table1", "--scale", "cpu-hard"])
     assert bad.exit_code != 0 and "001:table1 has no cpu-hard setting" in bad.output
+
+
+def test_a_held_out_client_run_plateaus_only_if_its_training_phase_did(tmp_path: Path) -> None:
+    """A PeFLL held-out-client run (new_clients, adapt_rounds 10 of 60) whose training curve
+    still rises 4 points at its end and whose adaptation rounds are frozen: its last 10% is flat
+    (+0), but the training phase is not converged, so the run is not; with the training curve
+    flat it is."""
+    import json
+
+    from hyperfed.report import run_summary
+
+    def write(train_acc: dict[int, float]) -> dict:
+        base = {"weighted_acc": 0.5, "min_acc": 0, "max_acc": 1, "std_acc": 0}
+        rows = [{**base, "round": r, "mean_acc": train_acc.get(r, 0.5)} for r in range(3, 61, 3)]
+        for row in rows:
+            if row["round"] > 50:
+                row["mean_acc"] = train_acc.get(48, 0.5)  # frozen: nothing trains
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return run_summary(tmp_path)
+
+    (tmp_path / "config.toml").write_text(
+        '[algorithm]\nname = "pefll"\n[algorithm.pefll]\nnew_clients = 0.2\nadapt_rounds = 10\n'
+    )
+    rising = write({39: 0.80, 42: 0.80, 45: 0.84, 48: 0.84})  # windows of 5 rounds: 45, 48 vs 42
+    assert rising["last_window_gain"] == pytest.approx(100 * (0.84 - 0.80))
+    assert not rising["converged"]
+    flat = write({39: 0.84, 42: 0.84, 45: 0.842, 48: 0.842})
+    assert flat["converged"] and flat["last_window_gain"] == pytest.approx(0.2)
+    # MH-pFedHN's adaptation rounds train the new clients' embeddings: a rise there counts too
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["mean_acc"] += {57: 0.02, 60: 0.02}.get(row["round"], 0.0)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    adapting = run_summary(tmp_path)
+    assert not adapting["converged"] and adapting["last_window_gain"] == pytest.approx(2.0)
+    # without adapt_rounds the same records are judged on their own last window (frozen: flat)
+    (tmp_path / "config.toml").write_text('[algorithm]\nname = "pefll"\n')
+    assert write({39: 0.80, 42: 0.80, 45: 0.84, 48: 0.84})["converged"]
