@@ -15,7 +15,9 @@ the rest.
 
 The study lives in its folder (``study.db``, SQLite), so a killed study resumes: finished and
 pruned trials are kept, a trial that was running when the study died is run again with the same
-values. ``--parallel K`` runs K worker processes on the same storage. Output in the folder:
+values. ``--parallel K`` runs K worker processes on the same storage, drawing trials from one
+budget (a worker whose trial was pruned early takes the next; none starts more than the study
+lacks). Output in the folder:
 ``best.toml`` (a config fragment: ``hyperfed run --config best.toml`` runs on top of nothing, so
 merge it or pass its lines with ``--set``), ``trials.json`` and Optuna's own plots
 (``optimization_history.png``, ``param_importances.png``).
@@ -23,6 +25,7 @@ merge it or pass its lines with ``--set``), ``trials.json`` and Optuna's own plo
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import math
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
     from hyperfed.config import ExperimentConfig
 
 STUDY_DB = "study.db"
+CLAIM_LOCK = "claim.lock"  # workers take trials one at a time under it (claim_trial)
 STUDY_NAME = "hyperfed"
 # every method tunes its local learning rate on this log-uniform range (the papers' lrs span
 # 1e-3 .. 0.1; the CPU configs use 0.01 .. 0.05)
@@ -250,17 +254,43 @@ def requeue_interrupted(study: optuna.Study) -> int:
     return len(stale)
 
 
-def _worker(
-    folder: str, request: TuneRequest, space: dict[str, Space], worker: int, quota: int
-) -> None:
-    """One process of ``--parallel``: ``quota`` trials (the workers' quotas add up to the
-    trials the study lacks, so it ends with exactly ``request.trials``)."""
+def claim_trial(study: optuna.Study, folder: Path, trials: int) -> optuna.Trial | None:
+    """A new trial of ``study`` for this worker, or None once the study holds ``trials``
+    finished or running ones. The count and the ask happen under a lock on ``folder``, so
+    workers share one budget: a worker whose trials are pruned early takes the next one
+    instead of idling, and together they never start more than ``trials``."""
+    from optuna.trial import TrialState
+
+    counted = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    with open(folder / CLAIM_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            used = sum(t.state in counted for t in study.get_trials(deepcopy=False))
+            return study.ask() if used < trials else None
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _worker(folder: str, request: TuneRequest, space: dict[str, Space], worker: int) -> None:
+    """One process of ``--parallel``: claims trials (:func:`claim_trial`) until the study
+    holds ``request.trials``, so it ends with exactly that many whatever each trial costs."""
+    import optuna
     import torch
+    from optuna.trial import TrialState
 
     torch.set_num_threads(1)
     study = open_study(Path(folder), request, worker)
-    if quota > 0:
-        study.optimize(_objective(request, space), n_trials=quota)
+    objective = _objective(request, space)
+    while (trial := claim_trial(study, Path(folder), request.trials)) is not None:
+        try:
+            value = objective(trial)
+        except optuna.TrialPruned:
+            study.tell(trial, state=TrialState.PRUNED)
+        except BaseException:
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        else:
+            study.tell(trial, value)
 
 
 def require_optuna() -> None:
@@ -332,11 +362,9 @@ def tune(
     else:  # K processes on the same storage; this one watches
         ctx = mp.get_context("spawn")
         missing = max(0, request.trials - _done(study))
-        quotas = [missing // parallel + (i < missing % parallel) for i in range(parallel)]
         procs = [
-            ctx.Process(target=_worker, args=(str(folder), request, space, i + 1, quota))
-            for i, quota in enumerate(quotas)
-            if quota
+            ctx.Process(target=_worker, args=(str(folder), request, space, i + 1))
+            for i in range(min(parallel, missing))
         ]
         for p in procs:
             p.start()

@@ -301,3 +301,35 @@ def test_pfedkt_end_to_end_tunes_its_hypernetwork_step_not_the_unused_local_lr()
     )
     values, why = tune_mod.config_default_trial(cfg, search_space("pfedkt", cfg.hparams()))
     assert values is not None and values["algorithm.pfedkt.hn_lr"] == 1e-4, why
+
+
+def test_parallel_workers_share_one_budget_of_trials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker claims trials until the study holds the requested number, counting the other
+    workers' running ones: a lone worker whose partner's trial is still running runs the rest
+    (no fixed quota leaves it idle), and none starts a trial past the budget."""
+    from optuna.trial import TrialState
+
+    calls: list[float] = []
+
+    def fake_curve(cfg, report=None) -> float:  # type: ignore[no-untyped-def]
+        calls.append(cfg.local.lr)
+        return 0.5
+
+    monkeypatch.setattr(tune_mod, "validation_curve", fake_curve)
+    folder = tmp_path / "study"
+    folder.mkdir()
+    request = TuneRequest(None, TINY, trials=5)
+    space = search_space("fedavg")
+    study = tune_mod.open_study(folder, request)
+    partner = tune_mod.claim_trial(study, folder, request.trials)  # another worker's, running
+    assert partner is not None
+    tune_mod._worker(str(folder), request, space, worker=1)
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert len(calls) == 4 and states.count(TrialState.COMPLETE) == 4
+    assert states.count(TrialState.RUNNING) == 1  # the partner's: 4 + 1 = the budget of 5
+    assert tune_mod.claim_trial(study, folder, request.trials) is None
+    study.tell(partner, 0.5)
+    tune_mod._worker(str(folder), request, space, worker=2)  # nothing left to claim
+    assert len(calls) == 4 and len(study.trials) == 5
