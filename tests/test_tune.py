@@ -317,7 +317,10 @@ def test_parallel_workers_share_one_budget_of_trials(
         calls.append(cfg.local.lr)
         return 0.5
 
+    import torch
+
     monkeypatch.setattr(tune_mod, "validation_curve", fake_curve)
+    threads = torch.get_num_threads()  # a worker pins 1 thread; give this process its own back
     folder = tmp_path / "study"
     folder.mkdir()
     request = TuneRequest(None, TINY, trials=5)
@@ -332,4 +335,5 @@ def test_parallel_workers_share_one_budget_of_trials(
     assert tune_mod.claim_trial(study, folder, request.trials) is None
     study.tell(partner, 0.5)
     tune_mod._worker(str(folder), request, space, worker=2)  # nothing left to claim
+    torch.set_num_threads(threads)
     assert len(calls) == 4 and len(study.trials) == 5
