@@ -122,11 +122,8 @@ class ChunkedHypernet:
     def generate(self, phi: Tensor) -> Tensor:
         """``theta[C, K]`` from ``phi[C, P]``: all chunks of all clients in one batched pass."""
         theta = self._mlp(phi)
-        if self.scale is None:
-            return theta
-        if self.scale.device != theta.device or self.scale.dtype != theta.dtype:
-            self.scale = self.scale.to(theta)  # once, not at every local step
-        return theta * self.scale
+        # ``scale`` is built from omega^0 on the model's device: ``.to`` is a no-op there
+        return theta if self.scale is None else theta * self.scale.to(theta)
 
     def _mlp(self, phi: Tensor) -> Tensor:
         w = self.layout.unflatten(phi)
