@@ -105,7 +105,9 @@ class FedTGPParams:
             raise ValueError(f"lam must be >= 0, got {self.lam}")
         if self.tau < 0:
             raise ValueError(f"tau must be >= 0, got {self.tau}")
-        if self.server_epochs < 1 or (self.server_batch_size or 1) < 1:
+        if self.server_epochs < 1 or (
+            self.server_batch_size is not None and self.server_batch_size < 1
+        ):
             raise ValueError("server_epochs and server_batch_size must be >= 1")
         if self.server_lr is not None and self.server_lr <= 0:
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
@@ -166,7 +168,8 @@ class FedTGPServer(Server):
         # the generator's SGD step and batch: the clients' own unless set
         lr, batch = hp.server_lr, hp.server_batch_size
         if ctx.local is not None:
-            lr, batch = lr or ctx.local.lr, batch or ctx.local.batch_size
+            lr = ctx.local.lr if lr is None else lr
+            batch = ctx.local.batch_size if batch is None else batch
         if lr is None or batch is None:
             raise ValueError(
                 "fedtgp: server_lr / server_batch_size left at None (the clients' [local] lr / "
