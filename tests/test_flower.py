@@ -6,6 +6,7 @@ Skipped as a whole when Flower is not installed (``pip install 'hyperfed[flower]
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -245,10 +246,25 @@ def test_flower_app_command_writes_an_app_flower_accepts(cfg, tmp_path):
 # -- real loopback deployments ------------------------------------------------------------------
 
 
+def _working_in(folder: Path) -> list[str]:
+    """Processes (not zombies) whose working directory is inside ``folder``: what a
+    deployment started there, the ServerApp its SuperLink's detached SuperExec runs included."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and cwd.is_relative_to(folder):
+            found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:80]!r}")
+    return found
+
+
 @pytest.fixture
-def deployments():
+def deployments(tmp_path):
     """Deployments started by a test; every process group they started is stopped at the end,
-    also when the test fails."""
+    also when the test fails, and nothing they started keeps running in the test's folder."""
     started: list[LocalDeployment] = []
     try:
         yield started
@@ -257,6 +273,10 @@ def deployments():
             d.stop()
         pids = [p.pid for d in started for p in d.processes]
         assert not [pid for pid in pids if _group_alive(pid)], "processes left running"
+        deadline = time.monotonic() + 10
+        while _working_in(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _working_in(tmp_path), _working_in(tmp_path)
 
 
 def _deploy(cfg, tmp_path: Path, started: list[LocalDeployment]) -> LocalDeployment:

@@ -398,7 +398,9 @@ class Process:
             _signal_group(member.pid, signal.SIGTERM)
         for member in self.members:
             member.stop(grace)
+        detached = _detached_groups(self.pid)
         if self.popen.returncode is not None and not _group_alive(self.pid):
+            _stop_groups(detached, grace)
             return
         _signal_group(self.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -414,11 +416,15 @@ class Process:
         while _group_alive(self.pid) and time.monotonic() < deadline:
             self.popen.poll()
             time.sleep(0.05)
+        _stop_groups(detached, grace)
 
     def kill(self) -> None:
-        """SIGKILL the process group at once (a crashed machine, for tests)."""
+        """SIGKILL the process group at once (a crashed machine, for tests), and the groups
+        of the children it detached (a SuperLink's SuperExec and the ServerApp it runs)."""
         for member in self.members:
             member.kill()
+        for pgid in _detached_groups(self.pid):
+            _signal_group(pgid, signal.SIGKILL)
         _signal_group(self.pid, signal.SIGKILL)
         self.popen.wait(timeout=10)
         deadline = time.monotonic() + 10
@@ -430,6 +436,41 @@ class Process:
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _detached_groups(pid: int) -> list[int]:
+    """The process groups of ``pid``'s children that left its group: Flower's SuperLink
+    starts its SuperExec in a session of its own (``start_new_session``), and the ServerApp
+    runs in that one, so signalling the SuperLink's group alone leaves them running. Linux
+    (``/proc``); elsewhere none are found."""
+    try:
+        own = os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return []
+    groups: list[int] = []
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            # /proc/<pid>/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ppid, pgrp = int(fields[1]), int(fields[2])
+        if ppid == pid and pgrp != own and pgrp not in groups:
+            groups.append(pgrp)
+    return groups
+
+
+def _stop_groups(groups: list[int], grace: float) -> None:
+    """SIGTERM to each group, SIGKILL to those alive after ``grace`` seconds."""
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(_group_alive(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -626,6 +667,8 @@ class LocalDeployment:
         """SIGTERM to every process group started here, SIGKILL to those still alive
         after ``grace`` seconds."""
         every = [p for proc in self.processes for p in (*proc.members, proc)]
+        # found before the signals: once a SuperLink exits, its SuperExec is init's child
+        detached = [g for proc in every for g in _detached_groups(proc.pid)]
         for proc in every:
             _signal_group(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -635,6 +678,7 @@ class LocalDeployment:
             time.sleep(0.1)
         for proc in self.processes:
             proc.stop(grace=1.0)
+        _stop_groups(detached, grace=1.0)
         self._control = None
 
     def __enter__(self) -> LocalDeployment:
