@@ -393,7 +393,8 @@ class Process:
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM to the process group this process leads (it and the app processes it
-        started), SIGKILL after ``grace`` seconds; only groups this module started."""
+        started) and to the groups of the children it detached (a SuperLink's SuperExec),
+        SIGKILL after ``grace`` seconds; only groups this module started or their children's."""
         for member in self.members:
             _signal_group(member.pid, signal.SIGTERM)
         for member in self.members:
