@@ -1,10 +1,10 @@
 """How close ``hyperfed run``'s pre-run cost estimate comes to the phase it estimates: the
-timed probe of a distillation setup (MH-pFedHNDD, one LeNet group of two digits clients)
-against the measured setup, for a few iteration counts. Prints estimate / measured; the
-estimate is meant to be within a factor of three (it is shown to a person deciding whether to
+timed probe of a distillation setup (MH-pFedHNDD as ``configs/distill_cpu.toml`` runs it, on
+two LeNet clients) against the measured setup, for a few iteration counts. Prints estimate /
+measured; the estimate is meant to be within a factor of three (it is shown to a person deciding whether to
 start a run, not used to schedule anything).
 
-    python benchmarks/phase_estimate.py [--iters 300,600,1200] [--repeats 3]
+    python benchmarks/phase_estimate.py [--iters 200,400,800] [--repeats 3]
 """
 
 import argparse
@@ -14,23 +14,13 @@ import time
 from hyperfed.config import load_config
 from hyperfed.runtime.simulate import Simulation
 
-TINY = [
-    "device=cpu",
-    "dataset.name=digits",
-    "dataset.subsample=200",
-    "clients.count=2",
-    "clients.models=lenet",
-    "algorithm.name=mh_pfedhndd",
-    "algorithm.mh_pfedhndd.distill_model=lenet",
-    "algorithm.mh_pfedhndd.distill_batch_real=8",
-    "algorithm.mh_pfedhndd.ipc=2",
-    "local.epochs=1",
-    "rounds=1",
-]
+CONFIG = "configs/distill_cpu.toml"  # the two-minute distillation demo, on two LeNet clients
+SMALLER = ["clients.count=2", "clients.models=lenet", "rounds=1"]
 
 
 def estimate_and_measure(iters: int) -> tuple[float, float]:
-    sim = Simulation(load_config(None, [*TINY, f"algorithm.mh_pfedhndd.distill_iters={iters}"]))
+    sets = [*SMALLER, f"algorithm.mh_pfedhndd.distill_iters={iters}"]
+    sim = Simulation(load_config(CONFIG, sets))
     sim.heavy_phases()  # warm-up: a cold first probe pays one-off costs
     (cost,) = sim.heavy_phases()
     t0 = time.perf_counter()
@@ -40,7 +30,7 @@ def estimate_and_measure(iters: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", default="300,600,1200")
+    parser.add_argument("--iters", default="200,400,800")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(f"{'iters':>6} {'estimate s':>11} {'measured s':>11} {'ratio':>7}")
