@@ -228,6 +228,32 @@ class LocalConfig(_Section):
         raise ValueError("allowed: auto or a whole number >= 1")
 
 
+class DefenseConfig(_Section):
+    """What the server accepts from a client (docs/config.md, ``[defense]``): bounds on the
+    model updates of methods that declare them (``Server.model_updates``: FedAvg's model,
+    the MH family's delta) and on the sample count a client declares at join."""
+
+    # reject an update whose L2 norm (a whole model: minus the model sent) exceeds this; auto:
+    # 1e6 * (1 + the sent model's norm), far above any trained update, far below 1e12; off: none
+    max_update_norm: float | Literal["auto", "off"] = "auto"
+    # reject an update whose norm exceeds this multiple of the median norm of the round's
+    # updates (rounds with at least 3 updates); off: none
+    max_norm_ratio: float | Literal["off"] = 100.0
+    # scale every accepted update longer than this down to it (Sun et al. 2019); off: none
+    clip_update_norm: float | Literal["off"] = "off"
+    # the largest sample count a client may declare at join (its FedAvg weight)
+    max_samples: int = Field(10**9, ge=1)
+
+    @field_validator("max_update_norm", "max_norm_ratio", "clip_update_norm")
+    @classmethod
+    def _positive(cls, v: float | str) -> float | str:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, bool) or not v > 0 or v != v or v == float("inf"):
+            raise ValueError("must be a number > 0 or off")
+        return float(v)
+
+
 class ExperimentConfig(_Section):
     dataset: DatasetConfig = DatasetConfig()
     partition: PartitionConfig = PartitionConfig()
@@ -241,6 +267,7 @@ class ExperimentConfig(_Section):
     seed: int = Field(0, ge=0)  # numpy's seeded generators take no negative seeds
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = False
+    defense: DefenseConfig = DefenseConfig()
 
     def hparams(self) -> Any:
         """The algorithm's hyperparameter dataclass, filled from ``[algorithm]``."""

@@ -285,6 +285,27 @@ class Server:
         training images. Default: none."""
         return None
 
+    def float_dtypes(self, sent: Payload) -> set[torch.dtype]:
+        """The float dtypes this server works in: the default dtype, its models' and what it sent."""
+        dtypes = {
+            torch.get_default_dtype(),
+            *(v.dtype for v in sent.values() if v.is_floating_point()),
+        }
+        ctx = getattr(self, "ctx", None)
+        for fm in getattr(ctx, "models", {}).values():
+            dtypes.update(p.dtype for p in fm.module.parameters())
+        return dtypes
+
+    def validate_reply(self, client_id: int, reply: Payload, sent: Payload) -> str | None:
+        """Every check a training reply passes before ``aggregate`` (what the round driver
+        calls; methods override :meth:`check_reply`, not this): dtypes, generic for every method
+        (:func:`reply_dtype_problem`, against ``sent``, the message the client was sent), then
+        the method's ``check_reply``."""
+        updates = self.model_updates()
+        return reply_dtype_problem(
+            reply, sent, updates, self.float_dtypes(sent)
+        ) or self.check_reply(client_id, reply)
+
     def check_reply(self, client_id: int, reply: Payload) -> str | None:
         """Why a reply must be rejected (None if it is fine). Rejected replies never reach
         ``aggregate``, so server state is left as it was (DESIGN contract 6)."""
@@ -331,6 +352,108 @@ class Server:
                 setattr(self, name, {k: v.to(self.ctx.device) for k, v in value.items()})
             else:
                 setattr(self, name, value.to(current.device))
+
+
+# -- what a client sends, validated before it touches server state (DESIGN contract 6) ---------
+INDEX_SUFFIX, VALUE_SUFFIX = "_idx", "_val"  # a pruned update (engine/codec.py)
+
+
+def _is_integer(value: Tensor) -> bool:
+    return not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+
+
+def reply_dtype_problem(
+    reply: Payload, sent: Payload, updates: Mapping[str, str], floats: set[torch.dtype]
+) -> str | None:
+    """Why a reply's dtypes must be refused (None if they are fine): a tensor that is neither a
+    float nor an integer (bool, complex); a float of a precision the server does not work in
+    (``floats``); a model update (``updates``, :meth:`Server.model_updates`) whose values are
+    not of the dtype of the model it was trained from, or whose top-k indices are not integers.
+    Other integer tensors (class ids, a cluster index) are the method's ``check_reply``'s."""
+    for key, value in reply.items():
+        if not isinstance(value, Tensor):
+            return f"{key} is a {type(value).__name__}, not a tensor"
+        if not (value.is_floating_point() or _is_integer(value)):
+            return f"{key} has dtype {value.dtype}; expected a float or integer tensor"
+        if value.is_floating_point() and value.dtype not in floats:
+            want = ", ".join(sorted(str(d) for d in floats))
+            return f"{key} has dtype {value.dtype}; expected {want}"
+    for name, source in updates.items():
+        model = sent.get(source)
+        want_float = model.dtype if model is not None and model.is_floating_point() else None
+        for key in (name, name + VALUE_SUFFIX):
+            update = reply.get(key)
+            if update is None:
+                continue
+            if not update.is_floating_point():
+                return f"{key} has dtype {update.dtype}; expected a float update"
+            if want_float is not None and update.dtype != want_float:
+                return f"{key} has dtype {update.dtype}; the model sent was {want_float}"
+        index = reply.get(name + INDEX_SUFFIX)
+        if index is not None and not _is_integer(index):
+            return f"{name + INDEX_SUFFIX} has dtype {index.dtype}; expected integer indices"
+    return None
+
+
+def update_norms(updates: Mapping[str, str], reply: Payload, sent: Payload) -> dict[str, float]:
+    """The L2 norm of each model update a (validated) reply carries, by update name: a whole
+    model minus the model sent (FedAvg's ``theta``), a difference (``delta``), or a pruned
+    difference's values (``delta_val``). Computed in float64 (a 1e30 entry does not overflow)."""
+    out: dict[str, float] = {}
+    for name, source in updates.items():
+        if name in reply:
+            value = reply[name].double()
+            if name == source and source in sent:
+                value = value - sent[source].double()
+        elif name + VALUE_SUFFIX in reply:
+            value = reply[name + VALUE_SUFFIX].double()
+        else:
+            continue
+        out[name] = float(torch.linalg.vector_norm(value))
+    return out
+
+
+def sent_model_norm(updates: Mapping[str, str], name: str, sent: Payload) -> float:
+    """The L2 norm of the model update ``name`` was trained from (0 if it was not sent)."""
+    model = sent.get(updates[name])
+    return 0.0 if model is None else float(torch.linalg.vector_norm(model.double()))
+
+
+def scale_update(
+    updates: Mapping[str, str], reply: Payload, sent: Payload, name: str, factor: float
+) -> Payload:
+    """A copy of ``reply`` whose update ``name`` is ``factor`` times as long (norm clipping:
+    a whole model becomes ``sent + factor * (reply - sent)``); the reply is left as it was."""
+    out = dict(reply)
+    source = updates[name]
+    if name in reply:
+        value = reply[name]
+        if name == source and source in sent:
+            base = sent[source].to(value.dtype)
+            out[name] = base + (value - base) * factor
+        else:
+            out[name] = value * factor
+    else:
+        out[name + VALUE_SUFFIX] = reply[name + VALUE_SUFFIX] * factor
+    return out
+
+
+def check_join(payload: Payload, max_samples: int) -> str | None:
+    """Why a client's join must be refused (None if it is fine): ``num_params`` and
+    ``num_samples``, where sent, one integer each, at least 1 (a sample count at most
+    ``max_samples``: it is the client's FedAvg weight), and nothing non-finite."""
+    for key, cap in (("num_params", None), ("num_samples", max_samples)):
+        value = payload.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Tensor) or value.numel() != 1 or not _is_integer(value):
+            kind = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, Tensor) else "?"
+            return f"{key} must be one integer (got {kind})"
+        n = int(value)
+        if n < 1 or (cap is not None and n > cap):
+            bound = f"[1, {cap}]" if cap is not None else ">= 1"
+            return f"{key} = {n} is outside {bound}"
+    return nonfinite_tensor(payload)
 
 
 class GossipServer(Server):

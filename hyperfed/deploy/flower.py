@@ -73,6 +73,7 @@ from hyperfed.algorithms.base import (
     Payload,
     Server,
     StackedOnRead,
+    check_join,
     payload_bytes,
     stack_payloads,
     unstack_payload,
@@ -155,8 +156,18 @@ def _unpacked(record: ArrayRecord) -> tuple[np.ndarray, list[list[Any]]]:
     return record[PACKED].numpy(), json.loads(record[LAYOUT].numpy().tobytes())
 
 
+def _dtype(name: Any) -> torch.dtype:
+    """The torch dtype a layout names (refused in one line if it names none)."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a tensor record names no torch dtype: {str(name)[:40]!r}")
+    return dtype
+
+
 def _nbytes(dtype_name: str, shape: list[int]) -> int:
-    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, dtype_name)).element_size()
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"a tensor record has an invalid shape: {str(shape)[:40]}")
+    return math.prod(shape) * torch.empty(0, dtype=_dtype(dtype_name)).element_size()
 
 
 def unpack_tensors(record: ArrayRecord, device: torch.device | str = "cpu") -> dict[str, Tensor]:
@@ -166,8 +177,10 @@ def unpack_tensors(record: ArrayRecord, device: torch.device | str = "cpu") -> d
     out: dict[str, Tensor] = {}
     offset = 0
     for name, dtype_name, shape in layout:
-        dtype = getattr(torch, dtype_name)
+        dtype = _dtype(dtype_name)
         size = _nbytes(dtype_name, shape)
+        if offset + size > data.numel():
+            raise ValueError(f"a tensor record holds fewer bytes than its layout ({name!r})")
         # clone: a fresh, aligned buffer for the dtype's view (an empty one has no bytes to view)
         part = (
             data[offset : offset + size].clone().view(dtype)
@@ -796,14 +809,15 @@ def _client_evaluate(msg: Message, context: Context) -> Message:
 server_app = ServerApp()
 
 
-def _check_join(payload: Payload, server_needs_size: bool = True) -> str | None:
-    """A join payload's problem, if any (a decentralized client tells nothing: ``{}``)."""
+def _check_join(
+    payload: Payload, server_needs_size: bool = True, max_samples: int = 10**9
+) -> str | None:
+    """A join payload's problem, if any (a decentralized client tells nothing: ``{}``):
+    :func:`~hyperfed.algorithms.base.check_join` (counts one integer each, a sample count in
+    ``[1, max_samples]``)."""
     if server_needs_size and ("num_params" not in payload or payload["num_params"].numel() != 1):
         return "join payload has no num_params"
-    for key, value in payload.items():
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            return f"{key} contains NaN or Inf"
-    return None
+    return check_join(payload, max_samples)
 
 
 def describe(content: RecordDict) -> dict[str, Any]:
@@ -811,25 +825,37 @@ def describe(content: RecordDict) -> dict[str, Any]:
     dtype and content id (sha256 of their bytes; a plain Array: Flower's object id)."""
     out: dict[str, Any] = {}
     for name, rec in content.items():
-        if isinstance(rec, ArrayRecord) and set(rec) == {PACKED, LAYOUT}:
-            out[name] = {
-                k: {
-                    "shape": list(t.shape),
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "id": hashlib.sha256(
-                        t.reshape(-1).view(torch.uint8).numpy().tobytes()
-                    ).hexdigest()[:16],
-                }
-                for k, t in unpack_tensors(rec).items()
-            }
-        elif isinstance(rec, ArrayRecord):
-            out[name] = {
-                k: {"shape": list(a.shape), "dtype": a.dtype, "id": a.object_id[:16]}
-                for k, a in rec.items()
-            }
-        else:
-            out[name] = sorted(rec.keys())
+        try:
+            out[name] = _describe(rec)
+        except Exception as e:  # a hostile or broken record: logged, never a crash
+            out[name] = {"malformed": _why(e)}
     return out
+
+
+def _why(e: BaseException) -> str:
+    """One short line on why a record could not be decoded."""
+    return f"malformed record: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def _describe(rec: Any) -> Any:
+    """One record of :func:`describe`."""
+    if isinstance(rec, ArrayRecord) and set(rec) == {PACKED, LAYOUT}:
+        return {
+            k: {
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "id": hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[
+                    :16
+                ],
+            }
+            for k, t in unpack_tensors(rec).items()
+        }
+    if isinstance(rec, ArrayRecord):
+        return {
+            k: {"shape": list(a.shape), "dtype": a.dtype, "id": a.object_id[:16]}
+            for k, a in rec.items()
+        }
+    return sorted(rec.keys())
 
 
 # The server pulls for replies on a PollSchedule (FIRST_POLL seconds after a push or a reply,
@@ -859,6 +885,14 @@ def send_and_receive(
             schedule.reset()
         time.sleep(schedule.next())
     return replies
+
+
+EVAL_FIELDS = ("correct", "total", "loss_sum")  # what a node's evaluation reply holds
+
+
+def counts_fields(counts: EvalCounts) -> tuple[Tensor, Tensor, Tensor]:
+    """The tensors of ``counts`` in the order of :data:`EVAL_FIELDS`."""
+    return counts.correct, counts.total, counts.loss_sum
 
 
 class Deployment:
@@ -955,7 +989,18 @@ class Deployment:
                     (reply.error.reason or "")[:300],
                 )
                 continue
-            answer = unbundle(reply.content)
+            try:
+                answer = unbundle(reply.content)
+            except Exception as e:  # a malformed record: that node's replies are rejected
+                log.warning(
+                    "%s %s: rejected reply of node %d (clients %s): %s",
+                    kind,
+                    group,
+                    node,
+                    by_node[node],
+                    _why(e),
+                )
+                continue
             for cid in by_node[node]:
                 view = self._view(node, answer, cid)
                 if node in self.grouped and not view:
@@ -1038,19 +1083,26 @@ class Deployment:
             if reply.has_error():
                 log.warning("join: node %d failed: %s", node, (reply.error.reason or "")[:300])
                 continue
-            served = reply.content.config_records[NODE]
-            grouped = PARTITION_IDS in served
-            if grouped:
-                cids = [_int(c) for c in served[PARTITION_IDS]]  # type: ignore[union-attr]
-                answer = unbundle(reply.content)
-                views = {c: client_view(answer, c) for c in cids}
-            else:
-                cids = [_int(served[PARTITION_ID])]
-                views = {cids[0]: reply.content}
+            try:
+                served = reply.content.config_records[NODE]
+                grouped = PARTITION_IDS in served
+                if grouped:
+                    cids = [_int(c) for c in served[PARTITION_IDS]]  # type: ignore[union-attr]
+                    answer = unbundle(reply.content)
+                    views = {c: client_view(answer, c) for c in cids}
+                else:
+                    cids = [_int(served[PARTITION_ID])]
+                    views = {cids[0]: reply.content}
+                payloads = {c: record_to_payload(views[c], self.device) for c in cids}
+            except Exception as e:  # a malformed join: that node is left out, logged
+                log.warning("join: rejected node %d: %s", node, _why(e))
+                continue
             accepted: list[int] = []
             for cid in cids:
-                payload = record_to_payload(views[cid], self.device)
-                problem = _check_join(payload, self.algorithm.kind == "centralized")
+                payload = payloads[cid]
+                problem = _check_join(
+                    payload, self.algorithm.kind == "centralized", self.cfg.defense.max_samples
+                )
                 if cid in self.node_of or cid in accepted or not 0 <= cid < self.n:
                     problem = f"partition id {cid} taken or out of range [0, {self.n})"
                 if problem:
@@ -1085,8 +1137,12 @@ class Deployment:
     def fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
         out = Exchange({})
         for cid, reply in self.exchange(TRAIN, msgs, {"round": rnd}, str(rnd)).items():
-            out.replies[cid] = record_to_payload(reply, self.device)
-            metrics: dict[str, Any] = dict(reply.metric_records.get(METRICS, {}))
+            try:
+                out.replies[cid] = record_to_payload(reply, self.device)
+                metrics: dict[str, Any] = dict(reply.metric_records.get(METRICS, {}))
+            except Exception as e:  # a rejected reply (the driver logs it), not a crash
+                out.malformed[cid] = _why(e)
+                continue
             reported = metrics.get("train_flops")  # what the client measured (engine.local)
             if isinstance(reported, int | float) and math.isfinite(reported) and reported >= 0:
                 out.flops += int(reported)
@@ -1100,9 +1156,18 @@ class Deployment:
         stats: dict[str, list[float]] = {}
         got = self.exchange(SETUP, msgs, {"stage": stage}, f"setup-{stage}")
         for cid, reply in got.items():
-            out.replies[cid] = record_to_payload(reply, self.device)
-            for k, v in reply.metric_records.get(METRICS, {}).items():
-                stats.setdefault(k, []).append(float(v))  # type: ignore[arg-type]
+            try:
+                payload = record_to_payload(reply, self.device)
+                values = {
+                    k: float(v)  # type: ignore[arg-type]
+                    for k, v in reply.metric_records.get(METRICS, {}).items()
+                }
+            except Exception as e:  # a rejected reply (the driver logs it), not a crash
+                out.malformed[cid] = _why(e)
+                continue
+            out.replies[cid] = payload
+            for k, v in values.items():
+                stats.setdefault(k, []).append(v)
         out.stats = {k: torch.tensor(vs) for k, vs in stats.items()}
         return out
 
@@ -1124,10 +1189,25 @@ class Deployment:
         got = self.exchange(EVALUATE, msgs, {"round": rnd, "split": split}, f"eval-{rnd}-{split}")
         counts = EvalCounts(*(torch.full((self.n,), math.nan) for _ in range(3)))
         for cid, reply in got.items():
-            m = reply.metric_records[METRICS]
-            counts.correct[cid] = float(m["correct"])  # type: ignore[arg-type]
-            counts.total[cid] = float(m["total"])  # type: ignore[arg-type]
-            counts.loss_sum[cid] = float(m["loss_sum"])  # type: ignore[arg-type]
+            # a field missing or not a number: rejected here (logged), left NaN (no answer);
+            # impossible counts are the driver's to reject (runtime.driver.check_eval_counts)
+            m: Mapping[str, Any] = reply.metric_records.get(METRICS, {})
+            values = [m.get(k) for k in EVAL_FIELDS]
+            wrong = [
+                k
+                for k, v in zip(EVAL_FIELDS, values, strict=True)
+                if not isinstance(v, int | float) or isinstance(v, bool)
+            ]
+            if wrong:
+                log.warning(
+                    "evaluation (%s): rejected reply from client %d: %s missing or not a number",
+                    split,
+                    cid,
+                    ", ".join(wrong),
+                )
+                continue
+            for into, value in zip(counts_fields(counts), values, strict=True):
+                into[cid] = float(value)  # type: ignore[arg-type]
         return counts
 
     # -- the run --------------------------------------------------------------------------

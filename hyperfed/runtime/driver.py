@@ -10,8 +10,11 @@ back"). One round is
    server's); a decentralized method's clients get nothing;
 3. **exchange**: the transport delivers them and returns the replies that came back, the
    clients' training losses and the FLOPs they measured;
-4. **validate**: ``Server.check_reply`` (the method's declared reply shapes, NaN/Inf); a rejected
-   reply is logged and never reaches the server (DESIGN contract 6), but its bytes crossed;
+4. **validate**: ``Server.validate_reply`` (dtypes, then the method's ``check_reply``: declared
+   shapes, NaN/Inf), then the ``[defense]`` bounds on model updates (an absolute norm bound, a
+   multiple of the round's median norm; :meth:`RoundDriver.bound_updates`), a reply the
+   transport could not decode included; a rejected reply is logged and never reaches the server
+   (DESIGN contract 6), but its bytes crossed; accepted updates may be norm-clipped;
 5. **aggregate** the accepted replies, in one fixed order (architecture groups, then client id,
    whatever order they arrived in) -- or, for a decentralized method, **mix**: ``sum_j W_ij
    reply_j`` over the accepted active clients (:class:`~hyperfed.runtime.gossip.Gossip`), sent
@@ -38,13 +41,29 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hyperfed.algorithms.base import EVAL_REQUEST, Payload, Server, payload_bytes
+from hyperfed.algorithms.base import (
+    EVAL_REQUEST,
+    Payload,
+    Server,
+    payload_bytes,
+    scale_update,
+    sent_model_norm,
+    update_norms,
+)
+from hyperfed.config import DefenseConfig
 from hyperfed.engine.local import measured_flops
 from hyperfed.progress import phase
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.rundir import RunDir
 
 log = logging.getLogger("hyperfed")
+
+# ``max_update_norm = "auto"``: an update is refused beyond this many times (1 + the sent model's
+# norm). Trained updates are of the order of the model's norm (a LeNet's is ~10; one round of
+# SGD moves it by less than that), so 1e6 refuses nothing trained and every update that would
+# take the model beyond float32's comfortable range in a few rounds (the 1e12 of issue 55).
+AUTO_NORM_FACTOR = 1e6
+MEDIAN_MIN_REPLIES = 3  # max_norm_ratio applies to rounds with at least this many updates
 
 # Every metrics record has these keys (plus ``val_mean_acc`` when the clients hold a
 # validation split, ``mean_acc_<group>`` for a method's named client subsets, ``bytes_payload`` / ``active_neighbors`` / ``spectral_gap_round`` for gossip, and
@@ -113,6 +132,8 @@ class Exchange:
     losses: list[Tensor] = field(default_factory=list)
     flops: int = 0
     stats: dict[str, Tensor] = field(default_factory=dict)  # setup: per-client statistics
+    # replies that came back but could not be decoded (a malformed record): why, by client id
+    malformed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,6 +156,27 @@ class EvalCounts:
     correct: Tensor
     total: Tensor
     loss_sum: Tensor
+
+
+def check_eval_counts(counts: EvalCounts, split: str = "test") -> EvalCounts:
+    """``counts`` with every client whose evaluation reply is impossible set to NaN (as if it
+    had not answered: listed in ``eval_missing``, out of the means), each logged: a count that
+    is not a whole number, negative, more correct than evaluated, a negative loss, or a count
+    missing (a NaN loss is a diverged model's, kept). The transport's tensors change in place."""
+    c, t, ls = (x.double() for x in (counts.correct, counts.total, counts.loss_sum))
+    answered = ~(c.isnan() & t.isnan() & ls.isnan())
+    counted = t.isfinite() & (c >= 0) & (c <= t) & (c == c.round()) & (t == t.round())
+    bad = answered & ~(counted & ~(ls < 0))
+    for cid in torch.nonzero(bad).reshape(-1).tolist():
+        log.warning(
+            "evaluation (%s): rejected reply from client %d: correct %s, total %s, loss_sum %s",
+            split,
+            cid,
+            *(float(x[cid]) for x in (c, t, ls)),
+        )
+        for x in (counts.correct, counts.total, counts.loss_sum):
+            x[cid] = math.nan
+    return counts
 
 
 class Transport(Protocol):
@@ -200,8 +242,11 @@ class RoundDriver:
         groups: list[list[int]] | None = None,
         validate: bool = False,
         scores: str = "personalized",
+        defense: DefenseConfig | None = None,
     ) -> None:
         self.server = server
+        # what the server accepts of a client's update (config [defense])
+        self.defense = defense or DefenseConfig()
         # which model the evaluation scores (algorithms.base.SCORED_MODELS), in every record
         self.scores = scores
         self.transport = transport
@@ -240,6 +285,11 @@ class RoundDriver:
                 accepted[c] = reply
         return accepted, rejected
 
+    @staticmethod
+    def _log_malformed(got: Exchange, what: str) -> None:
+        for c, problem in got.malformed.items():
+            log.warning("%s: rejected reply from client %d: %s", what, c, problem)
+
     def elapsed(self) -> float:
         """Wall seconds of this run so far, the time before a resume included."""
         return round(self.seconds_before + time.perf_counter() - self._t0, 3)
@@ -267,7 +317,8 @@ class RoundDriver:
                 lambda c, r, s=stage: self.server.check_setup_reply(s, c, r),  # type: ignore[misc]
                 f"setup {stage}",
             )
-            rejected += bad
+            self._log_malformed(got, f"setup {stage}")
+            rejected += bad + sorted(got.malformed)
             with phase(f"server: setup stage {stage}"):
                 self.server.aggregate_setup(stage, accepted)
             stage += 1
@@ -305,10 +356,62 @@ class RoundDriver:
         inspects what a client uploads (``hyperfed attack``) calls it alone."""
         msgs, server_flops = measured_flops(self.server.configure_train, rnd, cids)
         got = self.transport.fit(rnd, msgs)
+        what = f"round {rnd}: update"
         accepted, rejected = self._validate(
-            got.replies, self.server.check_reply, f"round {rnd}: update"
+            got.replies, lambda c, r: self.server.validate_reply(c, r, msgs.get(c, {})), what
         )
+        accepted, outliers = self.bound_updates(accepted, msgs, what)
+        self._log_malformed(got, what)
+        bad = set(rejected) | set(outliers) | set(got.malformed)
+        rejected = [c for c in self.order if c in bad]
         return TrainExchange(msgs, got, accepted, rejected, server_flops)
+
+    def bound_updates(
+        self, replies: dict[int, Payload], msgs: dict[int, Payload], what: str
+    ) -> tuple[dict[int, Payload], list[int]]:
+        """The ``[defense]`` bounds on the model updates of validated replies (those the server
+        declares in ``model_updates``): refuse an update whose norm exceeds ``max_update_norm``
+        or ``max_norm_ratio`` times the round's median norm (logged), then scale every update
+        longer than ``clip_update_norm`` down to it. Returns (accepted, rejected)."""
+        updates = self.server.model_updates()
+        d = self.defense
+        if not updates or not replies:
+            return replies, []
+        norms = {c: update_norms(updates, r, msgs.get(c, {})) for c, r in replies.items()}
+        problems: dict[int, str] = {}
+        for c, by_name in norms.items():
+            for name, norm in by_name.items():
+                bound = d.max_update_norm
+                if bound == "auto":
+                    bound = AUTO_NORM_FACTOR * (1 + sent_model_norm(updates, name, msgs.get(c, {})))
+                if bound != "off" and not norm <= bound:
+                    problems[c] = f"{name} has norm {norm:.3g} > max_update_norm {bound:.3g}"
+                    break
+        if d.max_norm_ratio != "off":
+            for name in updates:
+                pool = {c: n[name] for c, n in norms.items() if name in n and c not in problems}
+                if len(pool) < MEDIAN_MIN_REPLIES:
+                    continue
+                median = float(torch.tensor(list(pool.values()), dtype=torch.float64).median())
+                limit = d.max_norm_ratio * median
+                for c, norm in pool.items():
+                    if median > 0 and not norm <= limit:
+                        problems[c] = (
+                            f"{name} has norm {norm:.3g} > max_norm_ratio {d.max_norm_ratio:g} "
+                            f"x the round's median norm {median:.3g}"
+                        )
+        for c, problem in problems.items():
+            log.warning("%s: rejected reply from client %d: %s", what, c, problem)
+        accepted = {c: r for c, r in replies.items() if c not in problems}
+        clip = d.clip_update_norm
+        if clip != "off":
+            for c in accepted:
+                for name, norm in norms[c].items():
+                    if norm > clip:
+                        sent = msgs.get(c, {})
+                        accepted[c] = scale_update(updates, accepted[c], sent, name, clip / norm)
+                        log.info("%s: clipped %s of client %d from norm %.3g", what, name, c, norm)
+        return accepted, sorted(problems)
 
     def _server_round(self, rnd: int, cids: list[int]) -> RoundResult:
         ex = self.train_exchange(rnd, cids)
@@ -335,8 +438,12 @@ class RoundDriver:
         assert self.gossip is not None
         got = self.transport.fit(rnd, {c: {} for c in cids})
         accepted, rejected = self._validate(
-            got.replies, self.server.check_reply, f"round {rnd}: payload not gossiped"
+            got.replies,
+            lambda c, r: self.server.validate_reply(c, r, {}),
+            f"round {rnd}: payload not gossiped",
         )
+        self._log_malformed(got, f"round {rnd}: payload not gossiped")
+        rejected = sorted({*rejected, *got.malformed})
         active = [c for c in cids if c in accepted]
         bytes_up = bytes_down = 0
         extra: dict[str, float] = {}
@@ -377,7 +484,7 @@ class RoundDriver:
             if part:
                 self._eval_request(part)
                 msgs.update(self.server.configure_eval(part))
-        counts = self.transport.evaluate(msgs, split)
+        counts = check_eval_counts(self.transport.evaluate(msgs, split), split)
         acc = counts.correct / counts.total.clamp(min=1)
         ok = ~torch.isnan(acc)
         if not bool(ok.any()):

@@ -300,4 +300,5 @@ class Federation:
             groups=list(self.groups.values()),
             validate=cfg.partition.val_fraction > 0,
             scores=self.algorithm.scored_model(self.hp),
+            defense=cfg.defense,
         )
