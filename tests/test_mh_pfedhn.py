@@ -239,6 +239,69 @@ def test_generalization_phase_freezes_the_hypernetwork():
     assert {"mean_acc_old", "mean_acc_new"} <= set(metrics)
 
 
+def test_new_clients_adapt_with_their_own_adam_at_adapt_lr():
+    # §4.4 / authors' run_test.py: a fresh Adam on the new clients' embeddings. Adam's first
+    # step is lr * g / (|g| + eps) per entry (bias-corrected m = g, v = g^2), so every entry of
+    # a new embedding with a gradient moves by adapt_lr, whatever the hypernetwork's hn_lr
+    lr = 0.05
+    sim = _sim(
+        "mh_pfedhn",
+        '["lenet","lenet","mlp","mlp"]',  # new clients 2, 3 run an architecture of their own
+        **{
+            "algorithm.new_clients": 0.5,
+            "algorithm.adapt_rounds": 1,
+            "algorithm.adapt_lr": lr,
+            "algorithm.heads": "per_architecture",
+        },
+    )
+    server = sim.server
+    new_head = server.hnet.key[2]
+    assert server.hnet.key[3] == new_head != server.hnet.key[0]
+    sim.run_round(1)
+    before = {n: p.detach().clone() for n, p in server.hnet.named_parameters()}
+    hn_state = {k: v["step"].clone() for k, v in server.opt.state.items()}
+    sim.run_round(2)
+    for name, p in server.hnet.named_parameters():
+        moved = (p.detach() - before[name]).abs()
+        if name in ("embeddings.2", "embeddings.3") or name.startswith(f"heads.{new_head}."):
+            # entries whose |g| is near Adam's eps (or zero) move less, none more
+            assert float(moved.max()) <= lr * (1 + 1e-3), name
+            at_lr = ((moved - lr).abs() <= 1e-2 * lr).float().mean()
+            assert float(at_lr) > 0.9, name
+        else:  # the hypernetwork and the old clients' embeddings are frozen
+            assert torch.equal(moved, torch.zeros_like(moved)), name
+    # the hypernetwork's own Adam took no step in the adaptation round
+    assert {k: v["step"] for k, v in server.opt.state.items()} == hn_state
+
+
+def test_hn_grad_clip_bounds_the_hypernetwork_gradient():
+    # authors' code: clip_grad_norm_(hnet.parameters(), 50) before each Adam step; with a tiny
+    # clip the step's gradient has exactly that norm (Adam's first step hides the scale, so
+    # the clipped gradient is read where the optimizer sees it)
+    server = _server({0: 300, 1: 300}, out_dim=128, hidden=8, hn_grad_clip=1e-3)
+    norms = []
+    original = server.opt.step
+    server.opt.step = lambda *a, **k: (  # type: ignore[method-assign]
+        norms.append(
+            torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in server.hnet.parameters() if p.grad is not None])
+            )
+        ),
+        original(*a, **k),
+    )
+    server.aggregate(1, {c: {"delta": torch.ones(300)} for c in (0, 1)})
+    torch.testing.assert_close(norms[0], torch.tensor(1e-3))
+
+
+def test_authors_hypernetwork_init_and_output_relu():
+    hnet = MultiHeadHypernet({0: 300}, out_dim=128, hidden=8, embed_std=0.002, relu_out=True)
+    v = hnet.embeddings["0"]
+    assert 0.001 < float(v.std()) < 0.004  # N(0, 0.002^2), as norm_var in HyperNetworks.py
+    assert isinstance(hnet.extractor[-1], torch.nn.ReLU)
+    plain = MultiHeadHypernet({0: 300}, out_dim=128, hidden=8)
+    assert isinstance(plain.extractor[-1], torch.nn.Linear)
+
+
 def test_personal_and_frozen_layers():
     sim = _sim(
         "mh_pfedhn",

@@ -171,6 +171,16 @@ class MHPFedHNParams:
     new_clients: float = paper(0.0, "seed 000 §4.2-4.3 (all clients train; §4.4: 0.2)")
     # final rounds in which only the new clients adapt
     adapt_rounds: int = chosen(0, "off with new_clients = 0; §4.4 gives no count")
+    # §4.4: the new clients' embeddings (and a head only they use) get an Adam of their own
+    # at this lr, one step a round; the hypernetwork's own Adam is not used (authors'
+    # run_test.py: a fresh Adam on the embeddings, lr 2e-4, 500 rounds)
+    adapt_lr: float = chosen(2e-4, "the authors' run_test.py lr")
+    # std of the N(0, s^2) initial embeddings (authors' code: norm_var = 0.002)
+    embed_std: float = chosen(1.0, "torch.randn, as pFedHN's nn.Embedding")
+    # a ReLU after the extractor's last layer (authors' HyperNetworks.py has one)
+    extractor_relu_out: bool = chosen(False, "seed 000 Eq. 3 names none")
+    # clip the hypernetwork's gradient norm before each Adam step (authors' --grad-clip 50)
+    hn_grad_clip: float | None = chosen(None, "seed 000 names no clipping")
 
     def __post_init__(self) -> None:
         if self.heads not in HEAD_MODES:
@@ -185,6 +195,10 @@ class MHPFedHNParams:
             raise ValueError(f"kd_weighting must be eq8 or kl_weight (got {self.kd_weighting!r})")
         if not 0 <= self.new_clients < 1:
             raise ValueError(f"new_clients must be in [0, 1) (got {self.new_clients})")
+        if self.adapt_lr <= 0 or self.embed_std <= 0:
+            raise ValueError("adapt_lr and embed_std must be > 0")
+        if self.hn_grad_clip is not None and self.hn_grad_clip <= 0:
+            raise ValueError(f"hn_grad_clip must be > 0 or unset (got {self.hn_grad_clip})")
         if (self.new_clients > 0) != (self.adapt_rounds > 0):
             raise ValueError("new_clients and adapt_rounds must be set together")
         if self.distill and not self.global_model:
@@ -255,6 +269,8 @@ class MHPFedHNServer(Server):
             out_dim=hp.out_dim,
             heads=hp.heads,
             arch=self.architecture_tags(clients, sizes) if hp.heads == "per_architecture" else None,
+            embed_std=hp.embed_std,
+            relu_out=hp.extractor_relu_out,
         ).to(ctx.device)
         self.opt = adam(self.hnet.parameters(), hp.hn_lr)
         ids = sorted(clients)
@@ -269,6 +285,8 @@ class MHPFedHNServer(Server):
             raise ValueError(
                 f"new_clients/adapt_rounds leave no training phase (rounds={ctx.rounds})"
             )
+        # §4.4: the new clients' own optimizer (the hypernetwork's Adam never steps them)
+        self.adapt_opt = adam(self.adaptable_parameters(), hp.adapt_lr) if n_new else None
 
     @staticmethod
     def architecture_tags(clients: dict[int, Payload], sizes: dict[int, int]) -> dict[int, int]:
@@ -352,20 +370,26 @@ class MHPFedHNServer(Server):
             problem = check_update(reply, "global_delta", self.hnet.sizes[GLOBAL])
         return problem or super().check_reply(client_id, reply)
 
-    def _step(self, output_grads: dict[int, Tensor], only: list[Tensor] | None = None) -> None:
+    def _step(self, output_grads: dict[int, Tensor], adapting: bool = False) -> None:
         """One Adam step: back-propagate through theta_c with ``output_grads[c]`` as
         d(loss)/d(theta_c). Parameters without a gradient (other clients' embeddings, heads
-        not involved, everything outside ``only``) are left untouched by Adam."""
-        self.opt.zero_grad(set_to_none=True)
+        not involved) are left untouched by Adam. ``adapting``: only the new clients'
+        parameters get a gradient, and their own optimizer steps them (§4.4)."""
+        opt = self.adapt_opt if adapting else self.opt
+        assert opt is not None
+        only = self.adaptable_parameters() if adapting else None
+        opt.zero_grad(set_to_none=True)
         self.hnet.backward(output_grads, inputs=only)
-        self.opt.step()
+        if self.hp.hn_grad_clip is not None:  # authors' clip_grad_norm_(hnet, 50)
+            params = [p for group in opt.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.hp.hn_grad_clip)
+        opt.step()
 
     def aggregate(self, rnd: int, replies: dict[int, Payload]) -> None:
         if not replies:
             return
         sizes = self.hnet.sizes
         adapting = self.adapt_from is not None and rnd >= self.adapt_from
-        only = self.adaptable_parameters() if adapting else None
         # Alg. 2: phi and v_g from sum_i m_i/M Delta w_g,i, over the clients that deploy the
         # global model (Table 15; all of them by default): the others' global_delta is ignored
         users = set(self.global_users)
@@ -383,9 +407,9 @@ class MHPFedHNServer(Server):
         grads = {c: -decode_update(r, "delta", sizes[c]) for c, r in replies.items()}
         if self.hp.hn_update == "sequential":
             for c, g in grads.items():
-                self._step({c: g}, only)
+                self._step({c: g}, adapting)
         else:
-            self._step({c: g / len(grads) for c, g in grads.items()}, only)
+            self._step({c: g / len(grads) for c, g in grads.items()}, adapting)
 
 
 # -- client -----------------------------------------------------------------------------------

@@ -133,6 +133,10 @@ class MultiHeadHypernet(nn.Module):
         heads: ``"per_size"`` (MH-pFedHN), ``"none"`` or ``"per_client"`` (Table 3),
             ``"per_architecture"`` (Table 10, red: one head per architecture tag and tau).
         arch: ``"per_architecture"`` only: an opaque architecture tag for every id in ``sizes``.
+        embed_std: standard deviation of the N(0, s^2) initial embeddings (1: ``torch.randn``;
+            the authors' code of seed 000: 0.002).
+        relu_out: a ReLU after the extractor's last linear layer too (the authors' code of
+            seed 000), so the heads read non-negative codes.
     """
 
     def __init__(
@@ -145,6 +149,8 @@ class MultiHeadHypernet(nn.Module):
         out_dim: int | None = 3072,
         heads: str = "per_size",
         arch: Mapping[int, Hashable] | None = None,
+        embed_std: float = 1.0,
+        relu_out: bool = False,
     ) -> None:
         super().__init__()
         if heads not in HEAD_MODES:
@@ -155,6 +161,8 @@ class MultiHeadHypernet(nn.Module):
         layers: list[nn.Module] = [nn.Linear(embed_dim, hidden)]
         for _ in range(n_layers - 1):
             layers += [nn.ReLU(), nn.Linear(hidden, hidden)]
+        if relu_out:
+            layers.append(nn.ReLU())
         self.extractor = nn.Sequential(*layers)
         # head key and chunk shape of every client
         self.chunk = {c: (out_dim or k) for c, k in self.sizes.items()}
@@ -183,7 +191,7 @@ class MultiHeadHypernet(nn.Module):
         # v_i: one small Parameter per client, so Adam only ever moves rows that got a gradient
         self.embeddings = nn.ParameterDict(
             {
-                self._name(c): nn.Parameter(torch.randn(self.tau[c], embed_dim))
+                self._name(c): nn.Parameter(embed_std * torch.randn(self.tau[c], embed_dim))
                 for c in sorted(self.sizes)
             }
         )
