@@ -283,3 +283,165 @@ def test_impossible_evaluation_replies_are_rejected_and_left_out_of_the_means(ca
         EvalCounts(torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([nan]))
     )
     assert float(ok.correct[0]) == 1.0
+
+
+# -- Flower: records that cannot be decoded, a hostile node in a deployment -----------------------
+
+flwr_app = pytest.importorskip("flwr.app", reason="Flower is not installed")
+
+
+def _garbage_record() -> Any:
+    """A packed tensor record whose layout is not JSON."""
+    import numpy as np
+
+    from hyperfed.deploy import flower as fl
+
+    return flwr_app.ArrayRecord(
+        {
+            fl.PACKED: flwr_app.Array(np.zeros(8, dtype=np.uint8)),
+            fl.LAYOUT: flwr_app.Array(np.frombuffer(b"{not json", dtype=np.uint8).copy()),
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        None,  # not JSON
+        [["theta", "os", [4]]],  # names no torch dtype
+        [["theta", "float32", [400]]],  # more bytes than the record holds
+        [["theta", "float32", [-4]]],  # an impossible shape
+    ],
+)
+def test_a_training_record_that_cannot_be_decoded_is_a_rejected_reply(layout):
+    import numpy as np
+
+    from hyperfed.deploy import flower as fl
+
+    if layout is None:
+        record = _garbage_record()
+    else:
+        record = fl._packed(np.zeros(16, dtype=np.uint8), layout)
+    good = fl.payload_to_record({"theta": torch.ones(4)})
+    bad = flwr_app.RecordDict({fl.PAYLOAD: record})
+    d = fl.Deployment.__new__(fl.Deployment)  # the transport's decoding only: no grid, no run
+    d.device = torch.device("cpu")
+    d.exchange = lambda *args, **kwargs: {0: good, 1: bad}  # type: ignore[method-assign]
+    got = d.fit(1, {0: {}, 1: {}})
+    assert list(got.replies) == [0] and list(got.malformed) == [1]
+    assert got.malformed[1].startswith("malformed record: ")
+    assert "malformed" in str(fl.describe(bad))  # the wire log describes it, without a crash
+    got = d.setup(0, {0: {}, 1: {}})
+    assert list(got.replies) == [0] and list(got.malformed) == [1]
+
+
+def test_an_evaluation_reply_with_a_field_missing_is_rejected_not_a_crash(caplog):
+    from hyperfed.deploy import flower as fl
+
+    def metrics(**m: float) -> Any:
+        return flwr_app.RecordDict({fl.METRICS: flwr_app.MetricRecord(m)})
+
+    d = fl.Deployment.__new__(fl.Deployment)
+    d.n, d.evaluated = 3, 0
+    d.exchange = lambda *args, **kwargs: {  # type: ignore[method-assign]
+        0: metrics(correct=3.0, total=4.0, loss_sum=1.0),
+        1: metrics(correct=3.0, loss_sum=1.0),  # total missing
+        2: flwr_app.RecordDict(),  # no metrics at all
+    }
+    with caplog.at_level(logging.WARNING, logger="hyperfed"):
+        counts = d.evaluate({0: {}, 1: {}, 2: {}}, "test")
+    assert counts.correct.tolist()[0] == 3.0 and math.isnan(counts.correct[1])
+    assert "rejected reply from client 1: total missing" in caplog.text
+    assert "rejected reply from client 2: correct, total, loss_sum missing" in caplog.text
+
+
+@pytest.fixture
+def _server_identity(monkeypatch):
+    """Messages the ServerApp creates name the run and the server node (as in Flower's
+    ServerApp process)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 77)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
+    tmp_path, _server_identity
+):
+    """Four nodes of one FedAvg client each (in process, the real ServerApp and ClientApps):
+    node 13 declares 2^62 samples at join (left out of the run); node 14 sends a record that
+    cannot be decoded in round 1, a 1e12-norm model in round 2, and 50x its test size as
+    correct. The run completes; each is a logged rejection and the honest clients' metrics are
+    untouched by them."""
+    from test_flower_groups import InProcessGrid
+
+    from hyperfed.deploy import flower as fl
+    from hyperfed.deploy.launch import RC_CLIENTS_PER_NODE, experiment_run_config
+    from hyperfed.runtime.rundir import read_metrics
+
+    class Hostile(InProcessGrid):
+        def push_messages(self, messages: list[Any]) -> list[str]:
+            ids = super().push_messages(messages)
+            for msg, mid in zip(messages, ids, strict=True):
+                node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
+                reply = self.replies[mid].content
+                rnd = msg.content.config_records.get(fl.CONFIG, {}).get("round")
+                if kind == fl.JOIN and node == 13:
+                    forged = fl.record_to_payload(reply)
+                    forged["num_samples"] = torch.tensor(2**62)
+                    reply[fl.PAYLOAD] = fl.pack_tensors(forged)
+                elif kind == fl.TRAIN and node == 14 and rnd == 1:
+                    reply[fl.PAYLOAD] = _garbage_record()
+                elif kind == fl.TRAIN and node == 14:
+                    theta = fl.record_to_payload(reply)["theta"]
+                    reply[fl.PAYLOAD] = fl.pack_tensors(
+                        {"theta": theta + 1e12 / theta.numel() ** 0.5}
+                    )
+                elif kind == fl.EVALUATE and node == 14:
+                    m = reply[fl.METRICS]
+                    reply[fl.METRICS] = flwr_app.MetricRecord({**m, "correct": 50 * m["total"]})
+            return ids
+
+    cfg = load_config(
+        None,
+        [
+            "device=cpu",
+            "seed=0",
+            "rounds=2",
+            "eval_every=1",
+            "dataset.name=digits",
+            "dataset.subsample=400",
+            "partition.name=iid",
+            "clients.count=4",
+            "clients.models=lenet",
+            "algorithm.name=fedavg",
+            "local.epochs=1",
+            "local.batch_size=32",
+        ],
+    )
+    fl._RUNTIMES.clear()
+    run_config = {
+        **experiment_run_config(cfg),
+        fl.RC_RUN_DIR: str(tmp_path / "run"),
+        RC_CLIENTS_PER_NODE: 1,
+        fl.RC_MIN_NODES: 4,
+        fl.RC_JOIN_TIMEOUT: 5.0,
+    }
+    nodes = {11 + c: {"partition-id": c, "num-partitions": 4} for c in range(4)}
+    grid = Hostile(run_config, nodes)
+    try:
+        records = fl.Deployment(grid, run_config).run()  # type: ignore[arg-type]
+    finally:
+        fl._RUNTIMES.clear()
+    assert [r["round"] for r in records] == [1, 2]
+    assert [r["round"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+    for r in records:  # client 2 (node 13) never joined; client 3 (node 14) rejected throughout
+        assert r["replied"] == [0, 1] and r["rejected"] == [3]
+        assert r["eval_missing"] == [2, 3]
+        assert all(0.0 <= a <= 1.0 for a in r["client_acc"] if a == a)
+    log = (tmp_path / "run" / "server.log").read_text()
+    assert "join: rejected node 13: num_samples = 4611686018427387904 is outside" in log
+    assert "round 1: update: rejected reply from client 3: malformed record" in log
+    assert "round 2: update: rejected reply from client 3: theta has norm 1e+12" in log
+    assert "rejected reply from client 3: correct" in log

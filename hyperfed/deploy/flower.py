@@ -887,6 +887,18 @@ def send_and_receive(
     return replies
 
 
+class _Forward(logging.Handler):
+    """Hands another logger's records to ``to``, except this module's own (``to`` has them)."""
+
+    def __init__(self, to: logging.Handler) -> None:
+        super().__init__()
+        self.to = to
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not record.name.startswith(log.name):
+            self.to.handle(record)
+
+
 EVAL_FIELDS = ("correct", "total", "loss_sum")  # what a node's evaluation reply holds
 
 
@@ -1228,10 +1240,14 @@ class Deployment:
         handler = logging.FileHandler(self.run_dir.path / "server.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
+        # the round driver's lines (rejected replies, logger "hyperfed") go there too
+        driver_log, forward = logging.getLogger("hyperfed"), _Forward(handler)
+        driver_log.addHandler(forward)
         try:
             return self._run()
         finally:
             log.removeHandler(handler)
+            driver_log.removeHandler(forward)
             handler.close()
 
     def _run(self) -> list[dict[str, Any]]:
