@@ -828,3 +828,46 @@ def test_each_client_hypernetwork_starts_from_its_own_draw_unless_asked():
     gen = ChunkedHypernet(K_LIN, **HN_SHAPE).generate(own)
     want = float(fm.initial_params().std())
     assert torch.allclose(gen.std(dim=1), torch.full((3,), want, dtype=gen.dtype), rtol=1e-4)
+
+
+def test_kl_reduction_sum_is_the_batch_sum_of_the_kl_distances_by_hand():
+    """Issue 54: Eq. 2's d+ and d- reduced over a batch of 3 by their mean (default) or their sum
+    (the same group's pFedES code, ``reduction='sum'``). Expected values from the definition:
+    ``max(R_b d+_b - R_b d-_b + alpha, 0)`` with R = mean or sum, each KL by hand."""
+    anchor = [[2.0, 0.0, -1.0], [0.5, 0.5, 0.0], [0.0, 1.0, 1.0]]
+    pos = [[-1.0, 3.0, 0.0], [0.0, 0.0, 2.0], [1.0, 0.0, 0.0]]
+    neg = [[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 1.0, 2.0]]
+    d_pos = [_kl(pos[i], anchor[i]) for i in range(3)]  # d_KL(L_global || L_anchor)
+    d_neg = [_kl(neg[i], anchor[i]) for i in range(3)]
+    a, p, n = (torch.tensor(t, dtype=torch.float64) for t in (anchor, pos, neg))
+    alpha = 0.1
+    want_mean = max(sum(d_pos) / 3 - sum(d_neg) / 3 + alpha, 0.0)
+    want_sum = max(sum(d_pos) - sum(d_neg) + alpha, 0.0)
+    assert want_mean > 0 and want_sum > 0  # the hinge is active under both
+    assert PFedKTParams().kl_reduction == "mean"  # the default is unchanged
+    got_mean = float(contrastive_loss(a, p, n, PFedKTParams(alpha=alpha)))
+    got_sum = float(contrastive_loss(a, p, n, PFedKTParams(alpha=alpha, kl_reduction="sum")))
+    assert got_mean == pytest.approx(want_mean, rel=1e-12)
+    assert got_sum == pytest.approx(want_sum, rel=1e-12)
+    # with no margin and the hinge active the sum is exactly B = 3 times the mean
+    no_margin = [
+        float(contrastive_loss(a, p, n, PFedKTParams(alpha=0.0, kl_reduction=r)))
+        for r in ("mean", "sum")
+    ]
+    assert no_margin[1] == pytest.approx(3 * no_margin[0], rel=1e-12)
+    assert no_margin[1] == pytest.approx(sum(d_pos) - sum(d_neg), rel=1e-12)
+    # l2reg (Table 10: d+ alone) is reduced the same way
+    hp = PFedKTParams(loss="l2reg", kl_reduction="sum")
+    assert float(contrastive_loss(a, p, n, hp)) == pytest.approx(sum(d_pos), rel=1e-12)
+    # the hinge acts on the reduced distances: swap positive and negative (the difference
+    # D = sum d+ - sum d- > 0 changes sign) and take alpha = 2D/3, between D/3 and D: the mean's
+    # hinge is open (-D/3 + alpha > 0), the sum's closed (-D + alpha < 0)
+    diff = sum(d_pos) - sum(d_neg)
+    margin = 2 * diff / 3
+    mean_side, sum_side = -diff / 3 + margin, -diff + margin
+    assert mean_side > 0 > sum_side
+    hp_mean, hp_sum = PFedKTParams(alpha=margin), PFedKTParams(alpha=margin, kl_reduction="sum")
+    assert float(contrastive_loss(a, n, p, hp_mean)) == pytest.approx(mean_side, rel=1e-12)
+    assert float(contrastive_loss(a, n, p, hp_sum)) == 0.0
+    with pytest.raises(ValueError, match="kl_reduction"):
+        PFedKTParams(kl_reduction="batchmean")

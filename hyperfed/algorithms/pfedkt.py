@@ -52,7 +52,16 @@ Choices the paper leaves open (documented on :class:`PFedKTParams` and here):
   (previous private) parameters travel to the vectorized step through ``ctx``, and their
   logits on the same batch are recomputed there (training-mode forward, so BatchNorm uses
   batch statistics, and their new statistics are discarded). Distances are per sample and
-  averaged over the batch; the triplet hinge is taken on the batch averages (Eq. 2, Alg. 1).
+  reduced over the batch; the triplet hinge is taken on the batch's reduced distances (Eq. 2,
+  Alg. 1).
+* **The batch reduction of the distances** (``kl_reduction``). The paper does not say whether
+  ``d+`` and ``d-`` are averaged or summed over the batch. ``"mean"`` (the default, [C]) averages
+  them, ``l_con = max(mean_b d+_b - mean_b d-_b + alpha, 0)``; ``"sum"`` follows the same group's
+  pFedES code (its KL loss is built with ``reduction='sum'``; authors' code, not the paper),
+  ``l_con = max(sum_b d+_b - sum_b d-_b + alpha, 0)``: above the hinge the term is B times the
+  mean's, so the paper's mu under a sum is about B times ours under a mean (issue 54). It
+  applies to the ``triplet`` and ``l2reg`` losses (whatever the ``distance``); ``moon`` keeps
+  its per-sample mean.
 * **Evaluation.** The personalized model is the client's *trained* private model
   ``omega_k`` (Alg. 1 returns these; the paper's PM@Acc), with the client's BatchNorm
   statistics. A client never sampled yet is evaluated with ``omega^0``.
@@ -91,6 +100,7 @@ from hyperfed.models.layout import FunctionalModel
 DISTANCES = ("kl", "cosine", "l2", "mse")
 LOSSES = ("triplet", "moon", "l2reg")
 HN_TRAINING = ("end_to_end", "first_order")
+KL_REDUCTIONS = ("mean", "sum")
 HN_INITS = ("target", "layer", "linear")
 # the hypernetwork's start when hn_init is left at None (chosen on validation, PFedKTParams)
 HN_INIT_DEFAULTS = {"end_to_end": "layer", "first_order": "target"}
@@ -148,6 +158,9 @@ class PFedKTParams:
       triplet (Eq. 2) / moon (MOON's ``-log(e^{-d+/tau} / (e^{-d+/tau} + e^{-d-/tau}))``) /
       l2reg (``d+`` alone, a FedProx-like pull toward the global model): Table 10.
     - ``tau``: temperature of the MOON loss (MOON's default 0.5).
+    - ``kl_reduction``: how ``d+`` and ``d-`` are reduced over the batch before the hinge:
+      ``mean`` (ours, the default) or ``sum`` (the same group's pFedES code, ``reduction='sum'``;
+      the paper does not say). See the module docstring.
     """
 
     mu: float = paper(0.001, "seed 001 Table 3")
@@ -185,12 +198,20 @@ class PFedKTParams:
     distance: str = paper("kl", "seed 001 Table 3")
     loss: str = paper("triplet", "seed 001 Table 3")
     tau: float = chosen(0.5, "MOON's default; pFedKT gives none")
+    kl_reduction: str = chosen(
+        "mean",
+        "the paper does not say; 'sum' is the same group's pFedES code (reduction='sum')",
+    )
 
     def __post_init__(self) -> None:
         if self.distance not in DISTANCES:
             raise ValueError(f"distance={self.distance!r}; allowed: {', '.join(DISTANCES)}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss={self.loss!r}; allowed: {', '.join(LOSSES)}")
+        if self.kl_reduction not in KL_REDUCTIONS:
+            raise ValueError(
+                f"kl_reduction={self.kl_reduction!r}; allowed: {', '.join(KL_REDUCTIONS)}"
+            )
         if self.hn_init is not None and self.hn_init not in HN_INITS:
             raise ValueError(f"hn_init={self.hn_init!r}; allowed: {', '.join(HN_INITS)}")
         if self.hn_training not in HN_TRAINING:
@@ -248,14 +269,16 @@ def logit_distance(anchor: Tensor, ref: Tensor, kind: str) -> Tensor:
 
 def contrastive_loss(anchor: Tensor, pos: Tensor, neg: Tensor, hp: PFedKTParams) -> Tensor:
     """``l_con`` from logits of the model in training (anchor), the global model (positive)
-    and last round's private model (negative); Eq. 2 for ``loss="triplet"``."""
+    and last round's private model (negative); Eq. 2 for ``loss="triplet"``, the distances
+    reduced over the batch by ``hp.kl_reduction`` (mean or sum) before the hinge."""
+    reduce = torch.sum if hp.kl_reduction == "sum" else torch.mean
     d_pos = logit_distance(anchor, pos, hp.distance)
     if hp.loss == "l2reg":
-        return d_pos.mean()
+        return reduce(d_pos)
     d_neg = logit_distance(anchor, neg, hp.distance)
     if hp.loss == "moon":
         return F.softplus((d_pos - d_neg) / hp.tau).mean()
-    return torch.relu(d_pos.mean() - d_neg.mean() + hp.alpha)
+    return torch.relu(reduce(d_pos) - reduce(d_neg) + hp.alpha)
 
 
 def pfedkt_loss(hp: PFedKTParams) -> LossFn:
