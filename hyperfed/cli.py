@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from hyperfed.deploy.cli import ConfigOpt, SetOpt, flower_cli
+from hyperfed.deploy.cli import ConfigOpt, ForceOpt, SetOpt, flower_cli
 from hyperfed.errors import HyperfedError
 from hyperfed.progress import LineReporter, duration, reporting
 from hyperfed.terminal import RichPhases, console, err_console, fail, print_final
@@ -64,13 +64,11 @@ def run(
         Path | None, typer.Option(help="Continue a run directory from its last checkpoint.")
     ] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar or tables.")] = False,
-    force: Annotated[
-        bool, typer.Option(help="Replace an earlier run already in the --out directory.")
-    ] = False,
+    force: ForceOpt = False,
 ) -> None:
     """Run an experiment (no arguments: the built-in default on scikit-learn's digits)."""
     from hyperfed.config import load_config
-    from hyperfed.runtime.rundir import RunDir
+    from hyperfed.runtime.rundir import RunDir, check_new_run
     from hyperfed.runtime.simulate import Simulation
     from hyperfed.runtime.simulate import resume as resume_run
 
@@ -91,11 +89,7 @@ def run(
                 if out is not None and out.exists() and not out.is_dir():
                     fail(f"--out {out} is a file; choose a folder")
                 held.enter_context(run_dir.locked())  # before any work: a second run is refused
-                if (run_dir.path / "metrics.jsonl").exists() and not force:
-                    fail(
-                        f"--out {run_dir.path} already holds a run; --resume {run_dir.path} "
-                        "continues it, --force replaces it, or choose another --out"
-                    )
+                check_new_run(run_dir.path, force, resume=f"--resume {run_dir.path}")
                 sim = Simulation(cfg)
                 start = 0
         except HyperfedError as e:
@@ -106,6 +100,7 @@ def run(
 
 def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
     from hyperfed.report import LABEL_PLOT, plot_label_distribution, write_summary
+    from hyperfed.runtime.rundir import CHECKPOINT, CheckpointWriteError
 
     cfg = sim.cfg
     plot_label_distribution(sim.data.label_counts(), run_dir.path / LABEL_PLOT)
@@ -156,12 +151,19 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
             with reporting(phases):
                 sim.run(run_dir, start_round=start, on_round=on_round)
         except OSError as e:
-            if e.errno != errno.ENOSPC:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             fail(
                 f"no space left on device; run directory kept at {run_dir.path}, free some "
                 f"space and continue with: hyperfed run --resume {run_dir.path}"
             )
+        except CheckpointWriteError as e:  # its message says whether a checkpoint is kept
+            again = (
+                f"continue with: hyperfed run --resume {run_dir.path}"
+                if (run_dir.path / CHECKPOINT).exists()
+                else f"run again with --out {run_dir.path} --force"
+            )
+            fail(f"{e}; free some space and {again}")
         finally:
             if isinstance(phases, LineReporter):
                 phases.close()

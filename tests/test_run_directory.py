@@ -266,3 +266,119 @@ def test_a_checkpoint_with_the_earlier_unpadded_header_still_loads(tmp_path: Pat
     (tmp_path / CHECKPOINT).write_bytes(json.dumps(header).encode() + b"\n" + payload[:-1])
     with pytest.raises(RunDirError, match="truncated or corrupt"):
         run.load_checkpoint()
+
+
+# -- issue 55: a full disk while checkpointing, stale temp files -----------------------------
+
+
+def test_a_checkpoint_torch_save_cannot_write_is_one_line_and_keeps_the_last_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.save reports a failed write as a RuntimeError (not the OSError the disk-full
+    handler caught): one line, non-zero exit, round 1's checkpoint intact, no temp file."""
+    real = torch.save
+    calls: list[int] = []
+
+    def save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if type(f).__name__ == "_HashingWriter":  # the run directory's checkpoint stream
+            calls.append(1)
+            if len(calls) == 2:  # round 2's checkpoint: half written, then the disk is full
+                f.write(b"x" * 100)
+                raise RuntimeError(
+                    "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed "
+                    "writing file data/0: file write failed"
+                )
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    out = tmp_path / "r"
+    result = invoke("run", "--out", str(out), "--quiet", *sets(TWO_ROUNDS))
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and len(calls) == 2
+    message = " ".join(result.output.split())
+    assert "cannot write the checkpoint" in message and "file write failed" in message
+    assert "previous checkpoint is kept" in message and f"--resume {out}" in message
+    state = RunDir(out).load_checkpoint()
+    assert state is not None and state["round"] == 1
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_full_disk_under_torch_save_names_the_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real path: the file's write raises ENOSPC inside torch.save, which re-raises it as
+    a RuntimeError; the error names the OSError's reason, the old checkpoint stays."""
+    import errno
+
+    from hyperfed.runtime import rundir
+
+    run = RunDir(tmp_path)
+    (tmp_path / "config.toml").write_text("rounds = 1\n")
+    run.save_checkpoint({"round": 1, "w": torch.ones(3)})
+    before = (tmp_path / CHECKPOINT).read_bytes()
+    real = os.fdopen
+
+    class Full:
+        def __init__(self, f) -> None:  # type: ignore[no-untyped-def]
+            self.f, self.written = f, 0
+
+        def write(self, data: bytes) -> int:
+            self.written += len(data)
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return int(self.f.write(data))
+
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            return getattr(self.f, name)
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+    monkeypatch.setattr(rundir.os, "fdopen", lambda fd, mode: Full(real(fd, mode)))
+    with pytest.raises(rundir.CheckpointWriteError, match="No space left on device"):
+        run.save_checkpoint({"round": 2, "w": torch.ones(100_000)})
+    monkeypatch.undo()
+    assert (tmp_path / CHECKPOINT).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT, "config.toml"]
+
+
+def test_a_resume_and_a_new_run_remove_stale_temp_checkpoints(
+    finished_run: Path, tmp_path: Path
+) -> None:
+    """A kill during an atomic write leaves mkstemp's .checkpoint.pt.XXXXXXXX behind; a
+    resume (and a run started anew) deletes those, and only those."""
+    run = _copy_run(finished_run, tmp_path / "r")
+    stale = [".checkpoint.pt.k3_9xq2a", ".metrics.jsonl.0abcdefg", ".config.toml.zz__zz__"]
+    kept = [".checkpoint.pt.notes", "checkpoint.pt.abcdefgh", ".other.pt.abcdefgh", "notes.txt"]
+    for name in stale + kept:
+        (run / name).write_bytes(b"partial")
+    result = invoke("run", "--resume", str(run), "--quiet")
+    assert result.exit_code == 0, result.output
+    names = {p.name for p in run.iterdir()}
+    assert not names & set(stale) and set(kept) <= names
+    for name in stale:
+        (run / name).write_bytes(b"partial")
+    result = invoke("run", "--out", str(run), "--force", "--quiet", *sets(TWO_ROUNDS))
+    assert result.exit_code == 0, result.output
+    names = {p.name for p in run.iterdir()}
+    assert not names & set(stale) and set(kept) <= names
+
+
+def test_run_refuses_an_out_holding_other_files_unless_forced(tmp_path: Path) -> None:
+    """Without metrics, `run --out` wrote over a folder's config.toml and summary.md."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.toml").write_text("# my own notes\n")
+    (out / "summary.md").write_text("my summary\n")
+    _refused(
+        ["run", "--out", str(out), "--quiet", *sets(TWO_ROUNDS)],
+        out,
+        "is not empty (config.toml, summary.md)",
+        "--force",
+    )
+    result = invoke("run", "--out", str(out), "--force", "--quiet", *sets(TWO_ROUNDS))
+    assert result.exit_code == 0, result.output
+    assert "rounds = 2" in (out / "config.toml").read_text()

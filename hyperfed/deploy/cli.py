@@ -37,6 +37,13 @@ OutOpt = Annotated[
 ResumeOpt = Annotated[
     bool, typer.Option(help="Continue the run directory's last checkpoint (needs --out).")
 ]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Start a new run in a --out that is not empty: replaces an earlier run there and "
+        "writes over its config.toml, metrics.jsonl and summary.md."
+    ),
+]
 TimeoutOpt = Annotated[float, typer.Option(help="Seconds to wait for the whole run.")]
 RoundTimeoutOpt = Annotated[
     float, typer.Option(help="Seconds the server waits for the replies of one round.")
@@ -93,6 +100,7 @@ def local(
     clients_per_node: ClientsPerNodeOpt = 1,
     out: OutOpt = None,
     resume: ResumeOpt = False,
+    force: ForceOpt = False,
     timeout: TimeoutOpt = 3600.0,
     round_timeout: RoundTimeoutOpt = 600.0,
     threads: Annotated[
@@ -136,6 +144,7 @@ def local(
         secure,
         clientapp,
         clients_per_node,
+        force=force,
     )
 
 
@@ -152,6 +161,7 @@ def sim(
     set_: SetOpt = None,
     out: OutOpt = None,
     resume: ResumeOpt = False,
+    force: ForceOpt = False,
     cpus: Annotated[int, typer.Option(help="CPUs each simulated client (Ray actor) reserves.")] = 1,
     gpus: Annotated[
         float, typer.Option(help="GPUs each simulated client reserves (e.g. 0.25).")
@@ -191,6 +201,7 @@ def sim(
         resume,
         simulated,
         clients_per_node=clients_per_node,
+        force=force,
     )
 
 
@@ -207,38 +218,89 @@ def _launch(  # type: ignore[no-untyped-def]
     secure: bool = False,
     clientapp: str = "long-lived",
     clients_per_node: int = 1,
+    force: bool = False,
 ) -> None:
-    from hyperfed.deploy.launch import DeployError, LocalDeployment
+    from hyperfed.runtime.rundir import RunDir
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     kind = "flower" if simulated is None else "flower-sim"
-    run_dir = out or Path("runs") / f"{stamp}-{kind}-{cfg.algorithm.name}"
-    if resume and not (Path(run_dir) / "server_checkpoint.pt").exists():
-        fail(f"--resume: {run_dir} holds no server checkpoint; set checkpoint_every and --out")
-    workdir = Path(run_dir) / "flower"
-    material = None
-    if secure:  # throwaway: a fresh CA and node keys for this run, deleted after it
-        from hyperfed.deploy.secure import make_material
+    # absolute: the SuperLink and the nodes run in another working folder (workdir)
+    run_dir = (out or Path("runs") / f"{stamp}-{kind}-{cfg.algorithm.name}").absolute()
+    if run_dir.exists() and not run_dir.is_dir():
+        fail(f"--out {out} is a file; choose a folder")
+    try:
+        # held by this process for the whole deployment: a second run on it is refused
+        with RunDir(run_dir).locked():
+            _deploy(
+                cfg,
+                run_dir,
+                n,
+                threads,
+                timeout,
+                round_timeout,
+                quiet,
+                resume,
+                simulated,
+                secure,
+                clientapp,
+                clients_per_node,
+                force,
+            )
+    except HyperfedError as e:
+        fail(str(e))
 
-        material = make_material(workdir / "secure", n, days=1)
-    deployment = LocalDeployment(
-        cfg,
-        workdir,
-        Path(run_dir),
-        nodes=n,
-        num_partitions=cfg.clients.count,
-        threads=threads,
-        round_timeout=round_timeout,
-        simulated=simulated,
-        resume=resume,
-        secure=material,
-        clientapp=clientapp,
-        clients_per_node=clients_per_node,
-    )
+
+def _deploy(  # type: ignore[no-untyped-def]
+    cfg,
+    run_dir: Path,
+    n: int,
+    threads: int,
+    timeout: float,
+    round_timeout: float,
+    quiet: bool,
+    resume: bool,
+    simulated,
+    secure: bool,
+    clientapp: str,
+    clients_per_node: int,
+    force: bool,
+) -> None:
+    from hyperfed.deploy.launch import DeployError, LocalDeployment
+    from hyperfed.runtime.rundir import CHECKPOINT, check_new_run
+
+    if resume:
+        if not (run_dir / CHECKPOINT).exists():  # the file the server writes (rundir.py)
+            fail(
+                f"--resume: {run_dir} holds no checkpoint ({CHECKPOINT}); set checkpoint_every "
+                "and --out"
+            )
+    else:
+        check_new_run(run_dir, force, resume=f"--out {run_dir} --resume")
+    workdir = run_dir / "flower"
+    secure_dir = workdir / "secure"
     t0 = time.perf_counter()
     # SIGTERM stops the SuperLink and SuperNodes as Ctrl-C does (the context manager's exit)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        material = None
+        if secure:  # throwaway: a fresh CA and node keys for this run, deleted after it
+            from hyperfed.deploy.secure import make_material
+
+            material = make_material(secure_dir, n, days=1)
+        deployment = LocalDeployment(
+            cfg,
+            workdir,
+            run_dir,
+            nodes=n,
+            num_partitions=cfg.clients.count,
+            threads=threads,
+            round_timeout=round_timeout,
+            simulated=simulated,
+            resume=resume,
+            secure=material,
+            clientapp=clientapp,
+            clients_per_node=clients_per_node,
+        )
         with deployment:
             if not quiet:
                 how = "SuperNodes" if simulated is None else "simulated SuperNodes (Ray)"
@@ -259,10 +321,12 @@ def _launch(  # type: ignore[no-untyped-def]
         fail(str(e), code=1)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        # the throwaway keys (private ones among them), on every way out: success, failure,
+        # Ctrl-C, SIGTERM
+        shutil.rmtree(secure_dir, ignore_errors=True)
     shutil.rmtree(workdir / "homes", ignore_errors=True)  # installed app copies
-    shutil.rmtree(workdir / "secure", ignore_errors=True)  # the throwaway keys
     if not quiet:
-        print_final(Path(run_dir), time.perf_counter() - t0)
+        print_final(run_dir, time.perf_counter() - t0)
 
 
 @flower_cli.command("app")

@@ -282,13 +282,14 @@ def superlink_command(
     if secure is None:
         security = ["--insecure"]
     else:
+        # absolute: the SuperLink runs in the deployment's working folder, not the caller's
         security = [
             "--ssl-ca-certfile",
-            str(secure.ca_cert),
+            str(Path(secure.ca_cert).absolute()),
             "--ssl-certfile",
-            str(secure.server_cert),
+            str(Path(secure.server_cert).absolute()),
             "--ssl-keyfile",
-            str(secure.server_key),
+            str(Path(secure.server_key).absolute()),
             "--enable-supernode-auth",
         ]
     return [
@@ -327,11 +328,11 @@ def supernode_command(
     if insecure:
         security = ["--insecure"]
     else:
-        security = (
-            [] if root_certificates is None else ["--root-certificates", str(root_certificates)]
-        )
+        security = []
+        if root_certificates is not None:  # absolute: the node runs in another working folder
+            security += ["--root-certificates", str(Path(root_certificates).absolute())]
         if private_key is not None:
-            security += ["--auth-supernode-private-key", str(private_key)]
+            security += ["--auth-supernode-private-key", str(Path(private_key).absolute())]
     if isinstance(partition_id, int):
         serves = f"partition-id={partition_id}"
     else:

@@ -13,7 +13,8 @@
   SuperLink (``--enable-supernode-auth``) answers only nodes whose public key was registered
   (``flwr supernode register node-<i>.pub``).
 
-Private keys are written with mode 0600. The material is throwaway for a loopback run
+Private keys are written with mode 0600. Every path is absolute (the processes that read the
+files run in another working folder). The material is throwaway for a loopback run
 (``hyperfed flower local --secure``); ``hyperfed flower app --secure`` writes it for a real
 deployment, where each ``node-<i>`` file is copied to client machine ``i`` only.
 
@@ -54,7 +55,7 @@ class SecureMaterial:
     @classmethod
     def load(cls, folder: str | Path, nodes: int) -> SecureMaterial:
         """The material :func:`make_material` wrote into ``folder`` for ``nodes`` nodes."""
-        folder = Path(folder)
+        folder = Path(folder).absolute()  # the SuperLink runs in another working folder
         material = cls(
             folder,
             folder / "ca.crt",
@@ -131,7 +132,8 @@ def make_material(
         raise ValueError("hosts: name at least one host name or IP address of the SuperLink")
     if days < 1:
         raise ValueError(f"days={days}: must be >= 1")
-    folder = Path(folder)
+    # absolute: the SuperLink and SuperNodes that read these files run in another working folder
+    folder = Path(folder).absolute()
     now = dt.datetime.now(dt.timezone.utc)
     start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=days)
 

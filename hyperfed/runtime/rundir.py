@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,11 +33,66 @@ METRICS = "metrics.jsonl"
 CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.md"
 CHECKPOINT_FORMAT = "hyperfed-checkpoint-1"
+# a run's files hyperfed writes through a temp file (atomic_write_bytes); server_state.pt: the
+# Flower server's final state (hyperfed.deploy.flower.SERVER_STATE)
+ATOMIC_FILES = (CHECKPOINT, CONFIG, METRICS, "server_state.pt")
+# the temp file of one of them: mkstemp's ".<name>." prefix and its 8 random characters
+_TEMP_NAME = re.compile(
+    r"\.(" + "|".join(re.escape(name) for name in ATOMIC_FILES) + r")\.[a-z0-9_]{8}"
+)
 
 
 class RunDirError(HyperfedError, ValueError):
     """A run directory that cannot be used as asked (locked, nothing to resume, a bad
     checkpoint); the message says what to do instead."""
+
+
+class CheckpointWriteError(RunDirError):
+    """A checkpoint that could not be written (disk full, quota, I/O error); the previous
+    checkpoint is left as it was."""
+
+
+def is_temp_file(name: str) -> bool:
+    """Whether ``name`` is the temp file of one of a run's atomically written files."""
+    return _TEMP_NAME.fullmatch(name) is not None
+
+
+def remove_stale_temps(path: str | Path) -> list[str]:
+    """Delete the temp files a killed writer left in run directory ``path`` (only names of
+    hyperfed's own temp pattern, :func:`is_temp_file`); returns their names. Call it while
+    holding the directory: a live writer's temp file matches the pattern too."""
+    removed: list[str] = []
+    folder = Path(path)
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        if is_temp_file(entry.name) and entry.is_file() and not entry.is_symlink():
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    return sorted(removed)
+
+
+def check_new_run(path: str | Path, force: bool, resume: str) -> None:
+    """Refuse to start a new run in ``path`` when it already holds one (metrics or a
+    checkpoint) or any other file, unless ``force``: a new run writes config.toml,
+    metrics.jsonl and summary.md over what is there. ``resume`` is the command-line way to
+    continue the run there (e.g. ``--resume DIR``). Serves ``hyperfed run`` and
+    ``hyperfed flower local / sim`` alike."""
+    folder = Path(path)
+    if force or not folder.is_dir():
+        return
+    names = sorted(p.name for p in folder.iterdir() if not is_temp_file(p.name))
+    if METRICS in names or CHECKPOINT in names:
+        raise RunDirError(
+            f"--out {folder} already holds a run; {resume} continues it, --force replaces it, "
+            "or choose another --out"
+        )
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise RunDirError(
+            f"--out {folder} is not empty ({shown}); a run writes config.toml, metrics.jsonl "
+            "and summary.md there: --force writes over them, or choose another --out"
+        )
 
 
 def _sha256(data: bytes | memoryview) -> str:
@@ -48,17 +104,23 @@ _HEADER_BYTES = 511
 
 
 class _HashingWriter:
-    """A write-only stream that hashes and counts what passes through to ``file``."""
+    """A write-only stream that hashes and counts what passes through to ``file``; keeps the
+    OSError of a failed write (torch.save reports it as a RuntimeError)."""
 
     def __init__(self) -> None:
         self.file: Any = None
         self.sha256 = hashlib.sha256()
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
         self.size += len(data)
-        return int(self.file.write(data))
+        try:
+            return int(self.file.write(data))
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -133,6 +195,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         # a checkpoint left by an earlier run in this folder is not this run's to resume
         (self.path / CHECKPOINT).unlink(missing_ok=True)
+        remove_stale_temps(self.path)  # half-written files of a killed earlier run
         atomic_write_bytes(self.path / CONFIG, lambda f: f.write(config_toml.encode()))
         (self.path / METRICS).write_text("")
 
@@ -170,12 +233,30 @@ class RunDir:
             f.write(head.ljust(_HEADER_BYTES) + b"\n")
             f.seek(0, os.SEEK_END)
 
-        atomic_write_bytes(self.path / CHECKPOINT, write)
+        try:
+            atomic_write_bytes(self.path / CHECKPOINT, write)
+        except (OSError, RuntimeError) as e:
+            # a full disk: torch.save turns the stream's OSError into a RuntimeError
+            # ("unexpected pos", "file write failed"); the temp file is gone, the old
+            # checkpoint untouched
+            error = stream.error or (e if isinstance(e, OSError) else None)
+            if error is None and "write failed" not in str(e) and "unexpected pos" not in str(e):
+                raise  # not a write failure: a bug, with its traceback
+            why = (error.strerror or str(error)) if error is not None else _first_line(e)
+            kept = (
+                "the previous checkpoint is kept"
+                if (self.path / CHECKPOINT).exists()
+                else "no checkpoint written yet"
+            )
+            raise CheckpointWriteError(
+                f"cannot write the checkpoint in {self.path} ({why}); {kept}"
+            ) from e
         return _HEADER_BYTES + 1 + stream.size
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The last checkpoint (None if there is none), verified before it is read."""
         p = self.path / CHECKPOINT
+        remove_stale_temps(self.path)  # a killed writer's half-written files: never read
         if not p.exists():
             return None
         bad = f"checkpoint {p} is unusable"
@@ -205,6 +286,11 @@ class RunDir:
         keep = [r for r in self.metrics() if r["round"] <= last_round]
         text = "".join(json.dumps(r) + "\n" for r in keep)
         atomic_write_bytes(self.path / METRICS, lambda f: f.write(text.encode()))
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0].strip() if lines else type(e).__name__
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
