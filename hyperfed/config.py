@@ -76,6 +76,7 @@ class DatasetConfig(_Section):
         return load_dataset(self.name, self.data_dir, **{**(self.options or {}), **extra})
 
 
+SEED_MAX = 2**32 - 1  # the largest run seed (ExperimentConfig.seed)
 PARTITION_NAMES = ("quantity", "dirichlet", "pathological", "iid", "natural")
 
 
@@ -264,7 +265,9 @@ class ExperimentConfig(_Section):
     participation: float = Field(1.0, gt=0, le=1)
     eval_every: int = Field(5, ge=1)
     checkpoint_every: int | None = Field(None, ge=1)
-    seed: int = Field(0, ge=0)  # numpy's seeded generators take no negative seeds
+    # numpy's seeded generators take no negative seeds; torch's take < 2**64, and seeds derived
+    # from this one (seed * 1_000_003 + ...) must stay below that: 32 bits, as numpy's legacy
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = False
     defense: DefenseConfig = DefenseConfig()
@@ -369,10 +372,20 @@ def read_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
     try:
+        text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark is allowed
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config file {path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}); "
+            "save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it ({e.strerror})") from None
+    try:
         if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(text) or {}
         else:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # its message names line and column
         raise ConfigError(f"config file {path}: {str(e).splitlines()[0]}") from None
     except yaml.YAMLError as e:

@@ -82,3 +82,48 @@ def test_natural_partition_needs_a_dataset_that_has_one(tmp_path: Path) -> None:
 def test_flower_local_refuses_zero_nodes() -> None:
     pytest.importorskip("flwr")
     assert_one_line_error(["flower", "local", "--nodes", "0", *sets(SMALL)], "--nodes 0")
+
+
+# -- issue 55: inputs that still printed a traceback ----------------------------------------
+
+
+def _half(path: Path) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_truncated_npz_file(tmp_path: Path, compressed: bool) -> None:
+    import numpy as np
+
+    data = tmp_path / "data.npz"
+    save = np.savez_compressed if compressed else np.savez
+    save(data, x=np.zeros((40, 1, 8, 8), np.float32), y=np.arange(40) % 3)
+    out = tmp_path / "r"
+    npz = [*SMALL[:1], "dataset.name=npz", f"dataset.path={_half(data)}", *SMALL[3:]]
+    assert_one_line_error(["run", "--out", str(out), "--quiet", *sets(npz)], "npz", "truncated")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("suffix", [".toml", ".yaml"])
+def test_a_config_file_that_is_not_utf8(tmp_path: Path, suffix: str) -> None:
+    bad = tmp_path / f"latin1{suffix}"
+    text = "rounds: 1\n# r\xe9sum\xe9\n" if suffix == ".yaml" else "rounds = 1\n# r\xe9sum\xe9\n"
+    bad.write_bytes(text.encode("latin-1"))  # é is byte 0xe9, not UTF-8
+    out = tmp_path / "r"
+    args = ["run", "--config", str(bad), "--out", str(out), "--quiet"]
+    assert_one_line_error(args, str(bad), "not UTF-8", "line 2", "0xe9")
+    assert not out.exists()
+
+
+def test_a_seed_beyond_64_bits(tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    big = "seed=99999999999999999999999"
+    assert_one_line_error(
+        ["run", "--out", str(out), "--quiet", *sets([*SMALL, big])], "seed", "4294967295"
+    )
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="seed"):
+        load_config(None, [f"seed={2**32}"])
+    assert load_config(None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1

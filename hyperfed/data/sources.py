@@ -40,6 +40,7 @@ import os
 import pickle
 import struct
 import tarfile
+import zipfile
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -1026,8 +1027,11 @@ def _load_npz(
             where = str(p)
     except DataError:
         raise
-    except (OSError, ValueError, EOFError, zlib.error) as exc:
-        raise DataError(f"npz: cannot read {p}: {exc} (not an .npz / .npy file?)") from exc
+    except (OSError, ValueError, EOFError, zlib.error, zipfile.BadZipFile) as exc:
+        # BadZipFile: a truncated or damaged .npz (not an OSError)
+        raise DataError(
+            f"npz: cannot read {p}: {exc} (not an .npz / .npy file, or truncated?)"
+        ) from exc
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
         found = ", ".join(arrays) or "nothing"
