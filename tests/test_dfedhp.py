@@ -11,14 +11,25 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
 
-from hyperfed.algorithms.base import ClientContext, ClientGroup, payload_bytes, stack_payloads
+from hyperfed.algorithms.base import (
+    ClientContext,
+    ClientGroup,
+    GossipServer,
+    ServerContext,
+    payload_bytes,
+    stack_payloads,
+)
 from hyperfed.algorithms.dfedhp import DFedHPClient, DFedHPParams
 from hyperfed.config import load_config
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig
+from hyperfed.engine.topology import GossipParams
 from hyperfed.hypernet.filter import FilterHypernet
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.split import body_head
 from hyperfed.models.zoo import ZooNet
+from hyperfed.runtime.driver import BEFORE_GOSSIP_KEYS, EvalCounts, Exchange, RoundDriver
+from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.simulate import Simulation
 
 BASE = [
@@ -615,3 +626,123 @@ def test_each_device_starts_from_its_own_draw_and_the_same_one_everywhere() -> N
     assert all(torch.equal(shared.store[0]["z"], shared.store[c]["z"]) for c in ALL)
     # heads start as the model's initial head in both (the personal part is not drawn)
     assert torch.equal(sim.store[1]["head"], shared.store[1]["head"])
+
+
+# -- when a decentralized model is scored: after mixing (mean_acc) and before (issue 54) -----
+class _TwoScalarClients:
+    """A transport of two hand-made clients, each a 1-d classifier ``predict 1 iff v (x + u) >
+    0`` with a shared part u (gossiped) and a personal head v. Local training sets u to
+    ``TRAINED[c]``; ``relay`` writes ``sum_j W[i, j] u_j``; evaluation counts by the rule."""
+
+    name = "simulation"
+    reference = False
+    TRAINED = {0: 1.0, 1: -3.0}
+    HEAD = {0: 1.0, 1: 1.0}
+    TEST = {0: ([-0.5, 0.5, 2.0], [1, 1, 1]), 1: ([2.0, 4.0, 5.0], [0, 1, 1])}
+
+    def __init__(self) -> None:
+        self.u = {0: 0.0, 1: 0.0}
+        self.W: Tensor | None = None
+
+    def reachable(self) -> set[int] | None:
+        return None
+
+    def fit(self, rnd: int, msgs: dict) -> Exchange:
+        for c in msgs:
+            self.u[c] = self.TRAINED[c]
+        return Exchange({c: {"shared": torch.tensor([self.u[c]])} for c in msgs})
+
+    def relay(self, rnd: int, W: Tensor, payloads: dict) -> None:
+        self.W = W
+        ids = list(payloads)
+        sent = [float(payloads[j]["shared"][0]) for j in ids]
+        for i, c in enumerate(ids):
+            self.u[c] = sum(float(W[i, j]) * sent[j] for j in range(len(ids)))
+
+    def evaluate(self, msgs: dict, split: str) -> EvalCounts:
+        correct = []
+        for c in (0, 1):
+            xs, ys = self.TEST[c]
+            preds = [int(self.HEAD[c] * (x + self.u[c]) > 0) for x in xs]
+            correct.append(float(sum(p == y for p, y in zip(preds, ys))))
+        return EvalCounts(
+            torch.tensor(correct, dtype=torch.float64),
+            torch.tensor([3.0, 3.0], dtype=torch.float64),
+            torch.zeros(2, dtype=torch.float64),
+        )
+
+
+class _ScalarGossipServer(GossipServer):
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"shared": (1,)}
+
+
+def test_gossip_records_score_before_and_after_mixing_by_hand() -> None:
+    """Two clients on the full graph (Metropolis: W = [[1/2, 1/2], [1/2, 1/2]]). Trained shared
+    parts u = (1, -3), heads v = (1, 1). Before mixing (DisPFL's moment): client 0 on x = (-0.5,
+    0.5, 2), y = (1, 1, 1) has x + 1 = (0.5, 1.5, 3) > 0: 3/3; client 1 on x = (2, 4, 5),
+    y = (0, 1, 1) has x - 3 = (-1, 1, 2): 3/3; mean 1. After mixing both hold u = -1: client 0
+    x - 1 = (-1.5, -0.5, 1): 1/3; client 1 x - 1 = (1, 3, 4): 2/3; mean 1/2 (``mean_acc``)."""
+    hp = GossipParams(topology="full")
+    ctx = ServerContext(0, torch.device("cpu"), 2, (1,), {})
+    transport = _TwoScalarClients()
+    driver = RoundDriver(
+        _ScalarGossipServer(hp, {0: {}, 1: {}}, ctx),
+        transport,
+        num_clients=2,
+        participation=1.0,
+        seed=0,
+        arch_of=["scalar", "scalar"],
+        order=[0, 1],
+        gossip=Gossip(hp, 2, 0),
+    )
+    (record,) = driver.run(rounds=1, eval_every=1)
+    assert transport.W is not None and torch.allclose(transport.W, torch.full((2, 2), 0.5).double())
+    assert transport.u == {0: -1.0, 1: -1.0}
+    assert record["mean_acc_before_gossip"] == pytest.approx(1.0)
+    assert record["client_acc_before_gossip"] == [1.0, 1.0]
+    assert record["mean_acc"] == pytest.approx(0.5)
+    assert record["client_acc"] == [round(1 / 3, 5), round(2 / 3, 5)]
+    assert set(BEFORE_GOSSIP_KEYS) <= set(record)
+    # a round that is not evaluated scores nothing before mixing
+    assert not set(BEFORE_GOSSIP_KEYS) & set(driver.run_round(2).extra)
+
+
+def _acc_by_hand(sim: Simulation, c: int, theta: Tensor, buffers: Tensor) -> float:
+    fm, data = sim.models["lenet"], sim.data
+    idx = data.test_idx[c]
+    logits = fm.forward(theta, buffers, data.features(idx))
+    return float((logits.argmax(1) == data.y[idx]).double().mean())
+
+
+def test_dfedhp_pre_gossip_score_uses_the_locally_trained_body() -> None:
+    """DFedHP, two clients, full graph, one round. Before mixing client i is scored with the
+    body h(phi_i, z_i) of its own trained (phi_i, z_i) and its trained head v_i; after mixing
+    with h(phi, z) of the averages (Metropolis on two clients: 1/2 each) and the same head."""
+    sim = _sim(
+        "dfedhp",
+        'algorithm.topology="full"',
+        "clients.count=2",
+        "rounds=1",
+        "dataset.subsample=600",
+        "local.batch_size=16",
+        "local.lr=0.3",  # so that one round learns enough for mixing to move the scores
+        "algorithm.epochs_v=3",
+    )
+    start = sim.states([0, 1])
+    _, trained, _ = sim.client.fit(sim.group("lenet", [0, 1], 1), {}, start)
+    _, hn, base = sim.client.parts(sim.models["lenet"])
+    split = body_head(sim.models["lenet"])
+    mixed_body = base + hn.generate(trained["phi"].mean(0), trained["z"].mean(0))
+    before, after = [], []
+    for c in (0, 1):
+        own_body = base + hn.generate(trained["phi"][c], trained["z"][c])
+        head, buf = trained["head"][c], trained["buffers"][c]
+        before.append(_acc_by_hand(sim, c, split.join(own_body, head), buf))
+        after.append(_acc_by_hand(sim, c, split.join(mixed_body, head), buf))
+    (record,) = sim.run()
+    assert before != after, "the example must make mixing change some client's score"
+    assert record["client_acc_before_gossip"] == pytest.approx(before, abs=1e-5)
+    assert record["client_acc"] == pytest.approx(after, abs=1e-5)
+    assert record["mean_acc_before_gossip"] == pytest.approx(sum(before) / 2, abs=1e-6)
+    assert record["mean_acc"] == pytest.approx(sum(after) / 2, abs=1e-6)

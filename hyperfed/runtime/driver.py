@@ -67,7 +67,9 @@ MEDIAN_MIN_REPLIES = 3  # max_norm_ratio applies to rounds with at least this ma
 
 # Every metrics record has these keys (plus ``val_mean_acc`` when the clients hold a
 # validation split, ``mean_acc_<group>`` for a method's named client subsets, ``bytes_payload`` / ``active_neighbors`` / ``spectral_gap_round`` for gossip, and
-# ``setup`` / ``setup_seconds`` after a setup phase). docs/runs.md ("The metrics record") documents each.
+# ``setup`` / ``setup_seconds`` after a setup phase). Gossip records also carry :data:`BEFORE_GOSSIP_KEYS`:
+# the same clients scored after their local training and before the round's mixing (the DisPFL
+# lineage's moment; ``mean_acc`` is scored after mixing). docs/runs.md ("The metrics record") documents each.
 RECORD_KEYS = (
     "round",
     "scores",
@@ -99,6 +101,8 @@ RECORD_KEYS = (
     "seconds",
     "runtime",
 )
+# a gossip record's scores of the clients between local training and mixing (DisPFL's moment)
+BEFORE_GOSSIP_KEYS = ("mean_acc_before_gossip", "client_acc_before_gossip")
 
 
 def sample_clients(
@@ -219,7 +223,7 @@ class RoundResult:
     rejected: list[int] = field(default_factory=list)
     replied: list[int] = field(default_factory=list)  # accepted replies
     server_flops: int = 0  # the server's round work (hypernetwork generation and update)
-    extra: dict[str, float] = field(default_factory=dict)  # algorithm-kind specific metrics
+    extra: dict[str, Any] = field(default_factory=dict)  # algorithm-kind specific metrics
     nonfinite_loss: bool = False  # some client's training loss was NaN or Inf: it diverged
 
 
@@ -336,11 +340,13 @@ class RoundDriver:
         return self.setup_info
 
     # -- one round -------------------------------------------------------------------------
-    def run_round(self, rnd: int) -> RoundResult:
+    def run_round(self, rnd: int, *, score_before_mix: bool = False) -> RoundResult:
+        """One round; with ``score_before_mix`` a gossip round also scores every client between
+        local training and mixing (:data:`BEFORE_GOSSIP_KEYS` in ``RoundResult.extra``)."""
         eligible = self.server.eligible_clients(rnd)
         cids = self._reachable(sample_clients(self.n, self.participation, self.seed, rnd, eligible))
         if self.gossip is not None:
-            result = self._gossip_round(rnd, cids)
+            result = self._gossip_round(rnd, cids, score_before_mix)
         else:
             result = self._server_round(rnd, cids)
         self.totals["bytes_up"] += result.bytes_up
@@ -430,11 +436,15 @@ class RoundDriver:
             nonfinite_loss=diverged,
         )
 
-    def _gossip_round(self, rnd: int, cids: list[int]) -> RoundResult:
+    def _gossip_round(
+        self, rnd: int, cids: list[int], score_before_mix: bool = False
+    ) -> RoundResult:
         """Seed 004, Alg. 1: local work, then ``mixed_i = sum_j W_ij payload_j`` over the
         accepted active clients; a rejected payload is not gossiped (no neighbour gets it).
         Bytes: a client sends its payload once per active neighbour and receives one from each;
-        ``bytes_payload`` is the size of one copy, ``active_neighbors`` the mean degree."""
+        ``bytes_payload`` is the size of one copy, ``active_neighbors`` the mean degree. With
+        ``score_before_mix`` every client is scored after the local work and before the mixing
+        (:meth:`score_before_gossip`)."""
         assert self.gossip is not None
         got = self.transport.fit(rnd, {c: {} for c in cids})
         accepted, rejected = self._validate(
@@ -446,7 +456,8 @@ class RoundDriver:
         rejected = sorted({*rejected, *got.malformed})
         active = [c for c in cids if c in accepted]
         bytes_up = bytes_down = 0
-        extra: dict[str, float] = {}
+        extra: dict[str, Any] = {}
+        before = self.score_before_gossip() if score_before_mix else {}
         if active:
             W = self.gossip.mixing(rnd, active)
             self.transport.relay(rnd, W, {c: accepted[c] for c in active})
@@ -460,6 +471,7 @@ class RoundDriver:
                 "active_neighbors": float(degree.mean()),
                 "spectral_gap_round": self.gossip.spectral_gap(W),
             }
+        extra.update(before)
         train_loss, diverged = loss_summary(got.losses, self.transport.reference)
         return RoundResult(
             clients=cids,
@@ -507,6 +519,21 @@ class RoundDriver:
             "client_arch": self.arch_of,
             "eval_missing": [int(c) for c in torch.nonzero(~ok).reshape(-1)],
         }
+
+    def score_before_gossip(self) -> dict[str, Any]:
+        """Every client's model now -- after this round's local training, before its mixing --
+        on its test split: ``mean_acc_before_gossip`` and ``client_acc_before_gossip`` (and
+        ``val_mean_acc_before_gossip`` with a validation split). The DisPFL lineage scores
+        here; ``mean_acc`` (after mixing, so a personal head meets a body it did not train
+        with) stays the ranked score (docs/runs.md, "What a table ranks")."""
+        test = self.evaluate()
+        out = {
+            "mean_acc_before_gossip": test["mean_acc"],
+            "client_acc_before_gossip": test["client_acc"],
+        }
+        if self.validate:
+            out["val_mean_acc_before_gossip"] = self.evaluate("val")["mean_acc"]
+        return out
 
     def _eval_request(self, cids: list[int]) -> None:
         """The method's exchange before evaluation (``Server.configure_eval_request``), if any:
@@ -576,9 +603,10 @@ class RoundDriver:
         if start_round == 0:  # a resumed run did its setup before its first checkpoint
             self.run_setup()
         for rnd in range(start_round + 1, rounds + 1):
-            result = self.run_round(rnd)
+            scored = rnd % eval_every == 0 or rnd == rounds
+            result = self.run_round(rnd, score_before_mix=scored)
             record = None
-            if rnd % eval_every == 0 or rnd == rounds:
+            if scored:
                 record = self.record(rnd, result)
                 records.append(record)
                 if run_dir is not None:
