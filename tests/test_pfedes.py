@@ -328,3 +328,66 @@ def test_step2_leaves_the_frozen_models_batchnorm_statistics_alone():
     assert torch.equal(pair.split_buffers(b2)[0], pair.split_buffers(b1)[0])
     assert torch.equal(pair.split(t2)[0], pair.split(t1)[0])
     assert not torch.equal(pair.split(t2)[1], pair.split(t1)[1]), "step 2 trains G"
+
+
+def _conv_same_by_hand(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A 3x3 convolution with padding "same" (zero padding 1) by explicit sums, one image
+    ``x [C_in, H, W]``: ``out[o, i, j] = b[o] + sum_{c, u, v} w[o, c, u, v] x[c, i+u-1, j+v-1]``."""
+    c_in, h, wd = x.shape
+    out = torch.zeros(w.shape[0], h, wd, dtype=x.dtype)
+    for o in range(w.shape[0]):
+        for i in range(h):
+            for j in range(wd):
+                total = float(b[o])
+                for c in range(c_in):
+                    for u in range(3):
+                        for v in range(3):
+                            r, s = i + u - 1, j + v - 1
+                            if 0 <= r < h and 0 <= s < wd:
+                                total += float(w[o, c, u, v]) * float(x[c, r, s])
+                out[o, i, j] = total
+    return out
+
+
+def test_authors_extractor_has_8_kernels_and_a_relu_after_both_convolutions():
+    """Issue 54: the authors' ``Generator`` (LipingYi/pFedES ``Models/CNNs.py``, as described
+    there): Conv(C -> 8, 3x3, same) -> ReLU -> Conv(8 -> C, 3x3, same) -> ReLU. Options
+    ``extractor_width = 8`` and ``extractor_relu_out = True``; the defaults stay 16 and none."""
+    assert PFedESParams().extractor_width == 16 and PFedESParams().extractor_relu_out is False
+    hp = PFedESParams(extractor_width=8, extractor_relu_out=True)
+    theirs = build_extractor(hp, (1, 4, 4), seed=0)
+    # structure: 8 * 1 * 9 weights + 8 biases, then 1 * 8 * 9 weights + 1 bias = 153
+    assert theirs.num_params == 8 * 9 + 8 + 8 * 9 + 1 == 153
+    assert build_extractor(hp, (3, 4, 4), seed=0).num_params == 8 * 3 * 9 + 8 + 3 * 8 * 9 + 3
+    convs = [m for m in theirs.module.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert [(m.in_channels, m.out_channels, m.kernel_size) for m in convs] == [
+        (1, 8, (3, 3)),
+        (8, 1, (3, 3)),
+    ]
+    # hand input, hand weights (drawn, then read back in the layout's order)
+    torch.manual_seed(5)
+    theta = torch.randn(153, dtype=torch.float64)
+    x = torch.randn(2, 1, 4, 4, dtype=torch.float64)
+    w1, b1, w2, b2 = theta.split([72, 8, 72, 1])
+    w1, w2 = w1.view(8, 1, 3, 3), w2.view(1, 8, 3, 3)
+    pre = torch.stack(
+        [_conv_same_by_hand(torch.relu(_conv_same_by_hand(xi, w1, b1)), w2, b2) for xi in x]
+    )
+    assert float(pre.min()) < 0 < float(pre.max())  # the output ReLU has something to cut
+    got = theirs.forward(theta.float(), theirs.initial_buffers(), x.float()).double()
+    assert got.shape == x.shape and float(got.min()) >= 0
+    assert torch.allclose(got, torch.relu(pre), atol=1e-5)
+    # the same weights without the output ReLU (our default reading) give the signed output
+    ours = build_extractor(PFedESParams(extractor_width=8), (1, 4, 4), seed=0)
+    plain = ours.forward(theta.float(), ours.initial_buffers(), x.float()).double()
+    assert torch.allclose(plain, pre, atol=1e-5)
+    # config keys reach the extractor
+    cfg = load_config(
+        None,
+        [
+            "algorithm.name=pfedes",
+            "algorithm.extractor_width=8",
+            "algorithm.extractor_relu_out=true",
+        ],
+    )
+    assert cfg.algorithm.extractor_width == 8 and cfg.algorithm.extractor_relu_out is True

@@ -20,6 +20,22 @@ heterogeneous local model is used for inference").
 ``Conv(C -> extractor_width, 3x3, same) -> ReLU -> Conv(extractor_width -> C, 3x3, same)``
 with no output activation (the enhanced data live in the same normalized space as x).
 With ``extractor_width = 16``: 305 parameters for 1-channel images (1,220 bytes), 883 for RGB.
+``extractor_relu_out = True`` adds a ReLU after the second convolution,
+``G(x) = relu(conv2(relu(conv1(x))))``: the enhanced data are then >= 0.
+
+**The authors' reading** (GitHub ``LipingYi/pFedES``, ``Models/CNNs.py``'s ``Generator``, as
+described in issue 54; their code was not read here and nothing of it is copied): 8 kernels and a
+ReLU after both convolutions, and their training settings. These config keys reproduce them:
+
+* ``algorithm.extractor_width = 8`` and ``algorithm.extractor_relu_out = true`` (the extractor:
+  153 parameters for 1-channel images, half of ours);
+* ``algorithm.mu = 0.5`` (Eq. 5's weight), ``local.epochs = 10`` (E), ``local.batch_size = 512``,
+  ``local.weight_decay = 1e-3``, ``local.lr = 0.01`` (the paper's eta, already the default);
+* ``algorithm.extractor_epochs``: E_fe, settable; the authors' value was not read here;
+* their gradient-norm clip (50) has no key: hyperfed's local SGD does not clip.
+
+The defaults stay the paper's (mu, E_fe: §10) and ours (the extractor, [C]) until a validation
+run with the same seeds for every reading chooses (issue 54).
 
 Training details this implementation fixes (the paper leaves them open): in step 1 F_k sees
 x_hat then x, each forward in training mode (BatchNorm statistics, if F_k has any, are
@@ -58,16 +74,22 @@ from hyperfed.models.layout import FunctionalModel
 @dataclass
 class PFedESParams:
     """Defaults: §6.1 and §10 (accuracy falls as mu grows and as E_fe grows, so the smallest
-    values the paper tried, mu = 0.1 and E_fe = 5, are the defaults)."""
+    values the paper tried, mu = 0.1 and E_fe = 5, are the defaults). The authors' extractor is
+    ``extractor_width = 8`` with ``extractor_relu_out = True``; the module docstring lists the
+    config keys that reproduce their settings (issue 54)."""
 
     # Eq. 5: weight of the enhanced-data loss, in (0, 0.5]
     mu: float = paper(0.1, "seed 002 §10 Fig. 10 (best of the grid)")
     # E_fe: epochs of step 2 (training G with F_k frozen)
     extractor_epochs: int = paper(5, "seed 002 §10 Fig. 10 (best of the grid)")
-    # channels of G's hidden layer
+    # channels of G's hidden layer (the authors' Generator: 8)
     extractor_width: int = chosen(16, "Fig. 2 is not in the text; a small extractor")
     # odd, so that padding "same" keeps the shape exactly
     extractor_kernel: int = chosen(3, "Fig. 2 is not in the text; smallest odd kernel")
+    # a ReLU after G's second convolution too (the authors' Generator has one)
+    extractor_relu_out: bool = chosen(
+        False, "Fig. 2 is not in the text; the authors' Generator has one (issue 54)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.mu <= 0.5:
@@ -83,13 +105,17 @@ class PFedESParams:
 class Extractor(nn.Module):
     """G (§4.3): two convolutions with padding "same"; the output has the input's shape."""
 
-    def __init__(self, channels: int, width: int = 16, kernel: int = 3) -> None:
+    def __init__(
+        self, channels: int, width: int = 16, kernel: int = 3, relu_out: bool = False
+    ) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, width, kernel, padding="same")
         self.conv2 = nn.Conv2d(width, channels, kernel, padding="same")
+        self.relu_out = relu_out  # a ReLU after conv2 too (the authors' Generator)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.conv2(F.relu(self.conv1(x)))
+        out = self.conv2(F.relu(self.conv1(x)))
+        return F.relu(out) if self.relu_out else out
 
 
 def build_extractor(hp: PFedESParams, input_shape: tuple[int, ...], seed: int) -> FunctionalModel:
@@ -98,7 +124,9 @@ def build_extractor(hp: PFedESParams, input_shape: tuple[int, ...], seed: int) -
         raise ValueError(f"pfedes needs image inputs (C, H, W); got shape {input_shape}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        module = Extractor(input_shape[0], hp.extractor_width, hp.extractor_kernel)
+        module = Extractor(
+            input_shape[0], hp.extractor_width, hp.extractor_kernel, hp.extractor_relu_out
+        )
     return FunctionalModel(module, "pfedes_extractor")
 
 
