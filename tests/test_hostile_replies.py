@@ -122,6 +122,11 @@ def test_a_1e12_update_is_rejected_and_the_model_is_the_honest_clients_average(c
     torch.testing.assert_close(server.theta[str(K)], want, rtol=0, atol=1e-15)
     # the next round goes on from there (the run is not frozen)
     assert driver.run_round(2).rejected == [2]
+    # the absolute bound alone refuses it (the median rule needs 3 updates, here 2 with it)
+    _, driver = fedavg(
+        [1, 5], fm, lambda c, m: answer(2 * c, m), DefenseConfig(max_norm_ratio="off")
+    )
+    assert driver.run_round(1).rejected == [1]
 
 
 def test_an_update_far_above_the_rounds_median_norm_is_rejected():
@@ -369,8 +374,9 @@ def _server_identity(monkeypatch):
 def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
     tmp_path, _server_identity
 ):
-    """Four nodes of one FedAvg client each (in process, the real ServerApp and ClientApps):
-    node 13 declares 2^62 samples at join (left out of the run); node 14 sends a record that
+    """Five nodes of one FedAvg client each (in process, the real ServerApp and ClientApps):
+    node 13 declares 2^62 samples at join and node 15 sends a join record that cannot be
+    decoded (both left out of the run); node 14 sends a record that
     cannot be decoded in round 1, a 1e12-norm model in round 2, and 50x its test size as
     correct. The run completes; each is a logged rejection and the honest clients' metrics are
     untouched by them."""
@@ -387,7 +393,9 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
                 node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
                 reply = self.replies[mid].content
                 rnd = msg.content.config_records.get(fl.CONFIG, {}).get("round")
-                if kind == fl.JOIN and node == 13:
+                if kind == fl.JOIN and node == 15:
+                    reply[fl.PAYLOAD] = _garbage_record()
+                elif kind == fl.JOIN and node == 13:
                     forged = fl.record_to_payload(reply)
                     forged["num_samples"] = torch.tensor(2**62)
                     reply[fl.PAYLOAD] = fl.pack_tensors(forged)
@@ -413,7 +421,7 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
             "dataset.name=digits",
             "dataset.subsample=400",
             "partition.name=iid",
-            "clients.count=4",
+            "clients.count=5",
             "clients.models=lenet",
             "algorithm.name=fedavg",
             "local.epochs=1",
@@ -425,10 +433,10 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
         **experiment_run_config(cfg),
         fl.RC_RUN_DIR: str(tmp_path / "run"),
         RC_CLIENTS_PER_NODE: 1,
-        fl.RC_MIN_NODES: 4,
+        fl.RC_MIN_NODES: 5,
         fl.RC_JOIN_TIMEOUT: 5.0,
     }
-    nodes = {11 + c: {"partition-id": c, "num-partitions": 4} for c in range(4)}
+    nodes = {11 + c: {"partition-id": c, "num-partitions": 5} for c in range(5)}
     grid = Hostile(run_config, nodes)
     try:
         records = fl.Deployment(grid, run_config).run()  # type: ignore[arg-type]
@@ -438,10 +446,11 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
     assert [r["round"] for r in read_metrics(tmp_path / "run")] == [1, 2]
     for r in records:  # client 2 (node 13) never joined; client 3 (node 14) rejected throughout
         assert r["replied"] == [0, 1] and r["rejected"] == [3]
-        assert r["eval_missing"] == [2, 3]
+        assert r["eval_missing"] == [2, 3, 4]
         assert all(0.0 <= a <= 1.0 for a in r["client_acc"] if a == a)
     log = (tmp_path / "run" / "server.log").read_text()
     assert "join: rejected node 13: num_samples = 4611686018427387904 is outside" in log
+    assert "join: rejected node 15: malformed record" in log
     assert "round 1: update: rejected reply from client 3: malformed record" in log
     assert "round 2: update: rejected reply from client 3: theta has norm 1e+12" in log
     assert "rejected reply from client 3: correct" in log
