@@ -251,6 +251,10 @@ def _same_as_simulator(cfg, records: list[dict], run: Path | None = None) -> Sim
         assert b["bytes_down_total"] == a["bytes_down_total"]
         assert b["bytes_up_round"] == a["bytes_up_round"]
         assert b["replied"] == a["replied"] and b["eval_missing"] == []
+        assert ("client_acc_before_gossip" in b) == ("client_acc_before_gossip" in a)
+        if "client_acc_before_gossip" in a:  # gossip: also scored between training and mixing
+            before = pytest.approx(a["client_acc_before_gossip"], abs=1e-4)
+            assert b["client_acc_before_gossip"] == before
     if run is not None:
         got = torch.load(run / fl.SERVER_STATE, weights_only=False)["server"]
         torch.testing.assert_close(got, sim.server.state_dict(), rtol=1e-5, atol=1e-6)
@@ -354,6 +358,7 @@ def test_gossip_dfedavg_on_a_ring_with_two_clients_per_node(tmp_path):
     nodes = {31: {"partition-ids": "0,2", "num-partitions": 4}}
     nodes[32] = {"partition-ids": "1,3", "num-partitions": 4}
     records, grid, deployment = _run_in_process(cfg, tmp_path, nodes)
+    assert all(len(r["client_acc_before_gossip"]) == 4 for r in records)  # scored both ways
     sim = _same_as_simulator(cfg, records)
     _node_states_are_the_simulators(grid, deployment, sim)
     _only_own_clients(grid, deployment)

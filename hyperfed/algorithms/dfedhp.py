@@ -29,6 +29,13 @@ never defines them, so hyperfed offers no method under that name.
 i's (phi^0, z^0) from a generator seeded by (seed, i). The default ``"shared"`` gives every client
 one seeded draw, chosen on the validation split (0.983 vs 0.644, see ``DFedHPParams.init``).
 
+**When a model is scored.** Client i is evaluated with ``(h(phi_i, z_i), v_i)``. Every
+evaluated round scores it twice (the round driver, for every decentralized method):
+``mean_acc`` after lines 20-22's gossip, so the personal head v_i meets a body generated from
+the mixed (phi_i, z_i) it has not trained with -- the ranked score, as before -- and
+``mean_acc_before_gossip`` after line 18, with the body of its own trained (phi_i, z_i), the
+moment the DisPFL lineage scores at ([C]: seed 004 does not say when it evaluates; issue 54).
+
 Local work: ``epochs_v + epochs_phi + epochs_z`` epochs of local data, 1 + 2 + 1 by default =
 seed 004 §5.1's 4 local epochs (the split is not given). The ``[local]`` ``epochs`` key is not
 used by this method; ``[local]`` lr, momentum and weight decay are, unless ``lr_v``, ``lr_phi``
