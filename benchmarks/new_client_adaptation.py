@@ -25,7 +25,10 @@ from hyperfed.config import load_config
 from hyperfed.runtime.simulate import Simulation
 
 
-def _new_acc(sim: Simulation, split: str) -> float:
+def _new_acc(sim: Simulation, split: str) -> float | None:
+    """The new clients' mean accuracy on ``split`` (None: the clients hold no such split)."""
+    if split == "val" and not sim.cfg.partition.val_fraction:
+        return None
     return round(float(sim.evaluate(split)["mean_acc_new"]), 5)
 
 
@@ -71,8 +74,8 @@ def main() -> None:
                 )
             summary["readings"][f"adapt_lr={lr:g}"] = curve  # type: ignore[index]
             print(
-                f"seed {seed} adapt_lr {lr:g}: new clients val {curve[-1]['val']:.4f} "
-                f"test {curve[-1]['test']:.4f} (start {summary['start_new']})",
+                f"seed {seed} adapt_lr {lr:g}: new clients val {curve[-1]['val']} "
+                f"test {curve[-1]['test']} (start {summary['start_new']})",
                 flush=True,
             )
         (args.out / f"seed{seed}.json").write_text(json.dumps(summary, indent=1))
