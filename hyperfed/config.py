@@ -33,6 +33,7 @@ else:  # pragma: no cover
 
 from hyperfed.algorithms import get_algorithm, registry
 from hyperfed.data.sources import ArrayDataset, dataset_names, load_dataset
+from hyperfed.engine.robust import RobustRule
 from hyperfed.errors import ConfigError
 from hyperfed.models.zoo import model_names
 
@@ -240,10 +241,21 @@ class DefenseConfig(_Section):
     # reject an update whose norm exceeds this multiple of the median norm of the round's
     # updates (rounds with at least 3 updates); off: none
     max_norm_ratio: float | Literal["off"] = 100.0
-    # scale every accepted update longer than this down to it (Sun et al. 2019); off: none
-    clip_update_norm: float | Literal["off"] = "off"
+    # scale every accepted update longer than this down to it (Sun et al. 2019); median: to
+    # the median norm of the round's accepted updates; off: none
+    clip_update_norm: float | Literal["median", "off"] = "off"
     # the largest sample count a client may declare at join (its FedAvg weight)
     max_samples: int = Field(10**9, ge=1)
+    # how the server combines the clients' models where a method uses FedAvg's rule
+    # (Server.average_reply): mean (FedAvg's weighted mean), median / trimmed_mean
+    # (coordinate-wise, Yin et al. 2018), krum / multi_krum (Blanchard et al. 2017)
+    aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = "mean"
+    # trimmed_mean: the fraction beta dropped at each end, per coordinate
+    trim_fraction: float = Field(0.1, ge=0, lt=0.5)
+    # krum / multi_krum: f, the number of Byzantine clients assumed (n - f - 2 neighbours)
+    byzantine: int = Field(1, ge=0)
+    # multi_krum: m, how many lowest-score models are averaged; auto: n - f of the round
+    krum_keep: int | Literal["auto"] = "auto"
 
     @field_validator("max_update_norm", "max_norm_ratio", "clip_update_norm")
     @classmethod
@@ -253,6 +265,57 @@ class DefenseConfig(_Section):
         if isinstance(v, bool) or not v > 0 or v != v or v == float("inf"):
             raise ValueError("must be a number > 0 or off")
         return float(v)
+
+    @field_validator("krum_keep")
+    @classmethod
+    def _keep(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and (isinstance(v, bool) or v < 1):
+            raise ValueError("must be a whole number >= 1 or auto")
+        return v
+
+    def rule(self) -> RobustRule:
+        """The aggregation rule a server is built with (``ServerContext.aggregation``)."""
+        keep = None if self.krum_keep == "auto" else int(self.krum_keep)
+        return RobustRule(self.aggregation, self.trim_fraction, self.byzantine, keep)
+
+
+ATTACK_KINDS = ("none", "scale", "sign_flip", "gaussian_noise", "label_flip", "sample_count_lie")
+
+
+class AttackConfig(_Section):
+    """A poisoning harness for simulation (docs/robustness.md): which clients attack and how.
+    Update attacks change what the attackers' replies carry as model updates
+    (``Server.model_updates``); ``label_flip`` their training labels; ``sample_count_lie`` the
+    sample count they declare at join."""
+
+    # none | scale (update x scale) | sign_flip (update x -1) | gaussian_noise (update +
+    # N(0, noise_std^2) per coordinate) | label_flip (train labels y -> C-1-y) |
+    # sample_count_lie (declared num_samples x scale)
+    kind: Literal[
+        "none", "scale", "sign_flip", "gaussian_noise", "label_flip", "sample_count_lie"
+    ] = "none"
+    # a fraction of the clients (drawn with the run's seed), or a list of client ids
+    clients: float | list[int] = 0.1
+    scale: float = 10.0
+    noise_std: float = Field(1.0, gt=0)
+
+    @field_validator("clients")
+    @classmethod
+    def _clients(cls, v: float | list[int]) -> float | list[int]:
+        if isinstance(v, list):
+            if any(c < 0 for c in v) or len(set(v)) != len(v):
+                raise ValueError("client ids must be distinct and >= 0")
+            return sorted(v)
+        if not 0 <= v < 1:
+            raise ValueError("a fraction in [0, 1) or a list of client ids")
+        return v
+
+    @field_validator("scale")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if v != v or abs(v) == float("inf"):
+            raise ValueError("must be a finite number")
+        return v
 
 
 class ExperimentConfig(_Section):
@@ -271,6 +334,17 @@ class ExperimentConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = False
     defense: DefenseConfig = DefenseConfig()
+    attack: AttackConfig = AttackConfig()
+
+    @model_validator(mode="after")
+    def _attackers_exist(self) -> ExperimentConfig:
+        ids = self.attack.clients
+        if isinstance(ids, list) and ids and max(ids) >= self.clients.count:
+            raise ValueError(
+                f"attack.clients: client {max(ids)} does not exist "
+                f"(clients.count = {self.clients.count})"
+            )
+        return self
 
     def hparams(self) -> Any:
         """The algorithm's hyperparameter dataclass, filled from ``[algorithm]``."""

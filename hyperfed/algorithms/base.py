@@ -51,8 +51,8 @@ from hyperfed.engine.local import (
     train_clients,
     train_reference,
 )
-from hyperfed.engine.losses import weighted_average
 from hyperfed.engine.representations import shared_join_value as shared_join_value
+from hyperfed.engine.robust import RobustRule, robust_average
 from hyperfed.hparams import Space as Space
 from hyperfed.hparams import chosen as chosen  # re-exported for method files
 from hyperfed.hparams import hparam_sources as hparam_sources
@@ -190,6 +190,12 @@ class ServerContext:
     # the clients' local SGD settings ([local], resolved), for servers whose reference reuses
     # them (FedTGP's server trains at the client lr and batch); None outside a federation
     local: SGDConfig | None = None
+    # how average_reply combines the clients' tensors (config [defense] aggregation; default:
+    # FedAvg's weighted mean)
+    aggregation: RobustRule = dataclasses.field(default_factory=RobustRule)
+    # set once average_reply has run (the driver warns when a robust aggregation was asked of a
+    # method that never aggregates through it)
+    averaged: bool = False
 
     @property
     def shared_model(self) -> FunctionalModel | None:
@@ -322,11 +328,18 @@ class Server:
         self, replies: dict[int, Payload], key: str, ids: list[int] | None = None
     ) -> Tensor:
         """FedAvg's rule on one named tensor of the replies: ``sum_k n_k v_k / sum_k n_k`` over
-        ``ids`` (default: every reply), ``n_k`` the sample count each client sent at join."""
+        ``ids`` (default: every reply), ``n_k`` the sample count each client sent at join -- or
+        the robust rule the server was configured with (``ServerContext.aggregation``, config
+        ``defense.aggregation``: coordinate-wise median, trimmed mean, Krum, Multi-Krum;
+        :mod:`hyperfed.engine.robust`), for every method that aggregates through here."""
         ids = list(replies) if ids is None else ids
         values = torch.stack([replies[c][key] for c in ids])
         n_k = torch.tensor([float(self.clients[c]["num_samples"]) for c in ids])
-        return weighted_average(values, n_k.to(values.device))
+        ctx = getattr(self, "ctx", None)
+        if isinstance(ctx, ServerContext):
+            ctx.averaged = True
+        rule = getattr(ctx, "aggregation", None)
+        return robust_average(values, n_k.to(values.device), rule)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {}

@@ -145,6 +145,9 @@ class DFedHPServer(GossipServer):
         )
         return {"phi": (hnet.num_phi,), "z": (hnet.num_z,)}  # Alg. 1 l.20-21: what is gossiped
 
+    def model_updates(self) -> dict[str, str]:
+        return {"phi": "phi", "z": "z"}  # the trained hypernetwork and embedding themselves
+
 
 def literal_init(
     hnet: FilterHypernet, phi: Tensor, z: Tensor, body0: Tensor, gen: torch.Generator

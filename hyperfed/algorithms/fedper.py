@@ -40,6 +40,9 @@ class FedPerServer(Server):
     def reply_shapes(self, client_id: int) -> dict[str, tuple[int, ...]]:
         return {"body": (self.body.numel(),)}
 
+    def model_updates(self) -> dict[str, str]:
+        return {"body": "body"}  # the trained body itself
+
     def aggregate(self, rnd: int, replies: dict[int, Payload]) -> None:
         if not replies:
             return

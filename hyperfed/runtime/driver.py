@@ -264,6 +264,17 @@ class RoundDriver:
         self.groups = groups or [order]
         # clients hold a validation split: records carry val_mean_acc (choose rounds on it)
         self.validate = validate
+        # named client subsets reported beside the server's own eval_groups (``mean_acc_<name>``):
+        # the poisoning harness's honest clients and attackers
+        self.extra_groups: dict[str, list[int]] = {}
+        self._warned_aggregation = False
+        if gossip is not None and self.defense.aggregation != "mean":
+            log.warning(
+                "defense.aggregation = %s: a decentralized method mixes with its neighbours and "
+                "has no server aggregation; it runs unchanged",
+                self.defense.aggregation,
+            )
+            self._warned_aggregation = True
         self.totals = {"bytes_up": 0, "bytes_down": 0, "flops": 0, "flops_server": 0}
         self.setup_info: dict[str, Any] = {}
         self.seconds_before, self._t0 = 0.0, time.perf_counter()
@@ -378,7 +389,8 @@ class RoundDriver:
         """The ``[defense]`` bounds on the model updates of validated replies (those the server
         declares in ``model_updates``): refuse an update whose norm exceeds ``max_update_norm``
         or ``max_norm_ratio`` times the round's median norm (logged), then scale every update
-        longer than ``clip_update_norm`` down to it. Returns (accepted, rejected)."""
+        longer than ``clip_update_norm`` (a number, or ``"median"``: the median norm of the
+        round's accepted updates) down to it. Returns (accepted, rejected)."""
         updates = self.server.model_updates()
         d = self.defense
         if not updates or not replies:
@@ -411,11 +423,17 @@ class RoundDriver:
         accepted = {c: r for c, r in replies.items() if c not in problems}
         clip = d.clip_update_norm
         if clip != "off":
+            medians = {  # clip_update_norm = "median": each update's name, its round's median
+                name: float(torch.tensor(now, dtype=torch.float64).median())
+                for name in updates
+                if (now := [norms[c][name] for c in accepted if name in norms[c]])
+            }
             for c in accepted:
                 for name, norm in norms[c].items():
-                    if norm > clip:
+                    limit = medians[name] if clip == "median" else clip
+                    if norm > limit:
                         sent = msgs.get(c, {})
-                        accepted[c] = scale_update(updates, accepted[c], sent, name, clip / norm)
+                        accepted[c] = scale_update(updates, accepted[c], sent, name, limit / norm)
                         log.info("%s: clipped %s of client %d from norm %.3g", what, name, c, norm)
         return accepted, sorted(problems)
 
@@ -423,6 +441,7 @@ class RoundDriver:
         ex = self.train_exchange(rnd, cids)
         with phase(f"server: aggregating round {rnd}"):  # e.g. a server that trains
             aggregate_flops = measured_flops(self.server.aggregate, rnd, ex.accepted)[1]
+        self._check_aggregation(ex.accepted)
         train_loss, diverged = loss_summary(ex.got.losses, self.transport.reference)
         return RoundResult(
             clients=cids,
@@ -435,6 +454,20 @@ class RoundDriver:
             server_flops=ex.server_flops + aggregate_flops,
             nonfinite_loss=diverged,
         )
+
+    def _check_aggregation(self, accepted: dict[int, Payload]) -> None:
+        """Warn once when a robust ``defense.aggregation`` was asked of a method whose server
+        does not aggregate with FedAvg's rule (``Server.average_reply``, where it applies)."""
+        if self._warned_aggregation or self.defense.aggregation == "mean" or not accepted:
+            return
+        self._warned_aggregation = True
+        if not getattr(getattr(self.server, "ctx", None), "averaged", True):
+            log.warning(
+                "defense.aggregation = %s: %s does not aggregate with FedAvg's rule "
+                "(Server.average_reply); its own aggregation runs unchanged",
+                self.defense.aggregation,
+                type(self.server).__name__,
+            )
 
     def _gossip_round(
         self, rnd: int, cids: list[int], score_before_mix: bool = False
@@ -504,7 +537,7 @@ class RoundDriver:
         a, correct, total = acc[ok], counts.correct[ok], counts.total[ok]
         subsets = {
             f"mean_acc_{name}": float(acc[torch.tensor(ids)][ok[torch.tensor(ids)]].mean())
-            for name, ids in self.server.eval_groups().items()
+            for name, ids in {**self.server.eval_groups(), **self.extra_groups}.items()
             if ids and bool(ok[torch.tensor(ids)].any())
         }
         return {

@@ -249,7 +249,14 @@ class Federation:
         """The algorithm's server role for these joins, built right after seeding."""
         cfg = self.cfg
         ctx = ServerContext(
-            cfg.seed, self.device, num_classes, input_shape, models, cfg.rounds, self.sgd
+            cfg.seed,
+            self.device,
+            num_classes,
+            input_shape,
+            models,
+            cfg.rounds,
+            self.sgd,
+            aggregation=cfg.defense.rule(),
         )
         torch.manual_seed(cfg.seed)
         return self.algorithm.server(self.hp, joins, ctx)

@@ -50,6 +50,7 @@ from hyperfed.runtime.parallel import (
     run_chunk,
     stochastic_models,
 )
+from hyperfed.runtime.poison import UPDATE_ATTACKS, Poisoning, flip_labels, lie_about_counts
 from hyperfed.runtime.rundir import RunDir, RunDirError
 
 log = logging.getLogger("hyperfed")
@@ -88,6 +89,7 @@ class InMemoryTransport:
 
     name = "simulation"
     parallel: ParallelFit | None = None  # local.workers > 1: fit in worker processes
+    poison: Poisoning | None = None  # [attack]: what the attackers do to their replies
 
     def __init__(
         self,
@@ -126,6 +128,14 @@ class InMemoryTransport:
         return [(name, part) for name, part in parts if part]
 
     def fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
+        if self.poison is None:
+            return self._fit(rnd, msgs)
+        references = self.poison.references(msgs, self.store)
+        out = self._fit(rnd, msgs)
+        out.replies = self.poison.replies(rnd, out.replies, msgs, references)  # [attack]
+        return out
+
+    def _fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
         if self.parallel is not None:
             return self.parallel.fit(rnd, msgs, self._by_group(msgs), self.states, self._put)
         out = Exchange({})
@@ -204,12 +214,25 @@ class Simulation:
         self.device, self.algorithm, self.hp, self.sgd = fed.device, fed.algorithm, fed.hp, fed.sgd
         self.arch_of, self.groups = fed.arch_of, fed.groups
         self.vectorize, self.reference, self.nhwc = fed.vectorize, fed.reference, fed.nhwc
-        self.data = data = fed.load_data() if data is None else data
+        data = fed.load_data() if data is None else data
+        # the poisoning harness ([attack], runtime/poison.py): who attacks, and how
+        attack = cfg.attack
+        self.poison = None
+        if attack.kind != "none":
+            self.poison = Poisoning(attack, cfg.clients.count, cfg.seed)
+            log.info("attack: %s by clients %s", attack.kind, self.poison.attackers)
+            if attack.kind == "label_flip":
+                data = flip_labels(data, self.poison.attackers)
+        self.data = data
         shape, classes = data.input_shape, data.num_classes
 
         self.models = fed.models(shape, classes)
         self.client = fed.client_role(shape, classes)
         self.joins = fed.joins(self.client, self.models, data.train_sizes)
+        if self.poison is not None and attack.kind == "sample_count_lie":
+            self.joins = lie_about_counts(
+                self.joins, self.poison.attackers, attack.scale, cfg.defense.max_samples
+            )
         self.server = fed.server_role(self.joins, self.models, shape, classes)
         store = fed.initial_states(self.client, self.models)
         self.transport = InMemoryTransport(
@@ -217,6 +240,17 @@ class Simulation:
         )
         # decentralized algorithms: no server, gossip over a graph (runtime/gossip.py)
         self.driver = fed.driver(self.server, self.transport)
+        if self.poison is not None:
+            self.poison.updates = self.server.model_updates()
+            if attack.kind in UPDATE_ATTACKS and not self.poison.updates:
+                log.warning(
+                    "attack.kind = %s: %s declares no model updates (Server.model_updates); "
+                    "its attackers reply honestly",
+                    attack.kind,
+                    cfg.algorithm.name,
+                )
+            self.transport.poison = self.poison
+            self.driver.extra_groups = self.poison.groups()
         self.gossip = self.driver.gossip
         self.bytes_join = sum(payload_bytes(p) for p in self.joins.values())
         self.driver.totals["bytes_up"] += self.bytes_join
