@@ -46,7 +46,9 @@ from hyperfed.engine.robust import (
 )
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver
 
-V = torch.tensor([[1.0, 2.0], [2.0, 1.0], [3.0, 1.0], [6.0, 5.0], [100.0, -50.0]], dtype=torch.float64)
+V = torch.tensor(
+    [[1.0, 2.0], [2.0, 1.0], [3.0, 1.0], [6.0, 5.0], [100.0, -50.0]], dtype=torch.float64
+)
 ONES = torch.ones(5, dtype=torch.float64)
 
 
