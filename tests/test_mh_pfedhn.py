@@ -274,6 +274,36 @@ def test_new_clients_adapt_with_their_own_adam_at_adapt_lr():
     assert {k: v["step"] for k, v in server.opt.state.items()} == hn_state
 
 
+@pytest.mark.parametrize("hn_update", ["alg1", "sequential"])
+def test_alg1_generates_each_client_after_the_previous_clients_step(hn_update):
+    # Alg. 1 / authors' MH-pFedHN.py: for each client, theta_i = h(v_i; phi) from the current
+    # phi, train, step. "sequential" generates every theta_i at the round's start instead
+    sim = _sim("mh_pfedhn", '"lenet"', **{"algorithm.hn_update": hn_update})
+    server = sim.server
+    sent, steps_before = [], []
+    configure = server.configure_train
+
+    def spy(rnd, ids):
+        steps_before.append(
+            sum(int(st["step"]) for st in server.opt.state.values()) if server.opt.state else 0
+        )
+        msgs = configure(rnd, ids)
+        sent.extend((c, m["theta"].clone()) for c, m in msgs.items())
+        return msgs
+
+    server.configure_train = spy
+    start = {c: t.detach().clone() for c, t in server.hnet.generate([0, 1, 2, 3]).items()}
+    result = sim.run_round(1)
+    assert result.clients == [0, 1, 2, 3] and not result.rejected
+    assert [c for c, _ in sent] == [0, 1, 2, 3]
+    as_at_start = [torch.allclose(theta, start[c], rtol=0, atol=1e-6) for c, theta in sent]
+    if hn_update == "alg1":  # one exchange per client; clients 1-3 see the moved hypernetwork
+        assert len(steps_before) == 4 and steps_before == sorted(set(steps_before))
+        assert as_at_start == [True, False, False, False]
+    else:
+        assert len(steps_before) == 1 and as_at_start == [True] * 4
+
+
 def test_hn_grad_clip_bounds_the_hypernetwork_gradient():
     # authors' code: clip_grad_norm_(hnet.parameters(), 50) before each Adam step; with a tiny
     # clip the step's gradient has exactly that norm (Adam's first step hides the scale, so

@@ -6,16 +6,19 @@ generates theta_i = h(v_i; phi)[:K_i] (Eq. 3) and sends it; the client trains it
 epochs and returns Delta theta_i = theta~_i - theta_i. The server back-propagates through
 theta_i with -Delta theta_i as the output gradient and steps phi and v_i with Adam, so the
 generated theta_i moves *toward* theta~_i (the sign pFedHN's reference code uses; Alg. 1
-prints the opposite). ``hn_update="mean"`` (default) takes one Adam step per round on the
-mean of the clients' update gradients; ``"sequential"`` steps once per client, as Alg. 1 is
-printed. Every table of docs/results.md ran ``"mean"``, chosen on the validation split (issue 20):
-``hyperfed run --config configs/seed000/fmnist_homo.toml --set algorithm.name=mh_pfedhn
---set dataset.subsample=3000 --set rounds=8 --set eval_every=2 --set
-partition.val_fraction=0.15 --set algorithm.hn_update=mean|sequential --set seed=S`` (50
-LeNet clients, 2 classes each): "mean", seed 0, val_mean_acc 0.36 / 0.60 / 0.69 / 0.78 at
-rounds 2 / 4 / 6 / 8; "sequential", seed 1, 0.094 / 0.100 / 0.103 at rounds 2 / 4 / 6 --
-chance level: 50 Adam steps of the shared head per round, each following one client's
-two-class signal, undo each other.
+prints the opposite). ``hn_update`` says how the clients' updates reach phi and v_i:
+``"mean"`` (default) takes one Adam step a round on the mean of the clients' update
+gradients; ``"alg1"`` is Alg. 1 and the authors' loop: client after client, theta_i generated
+from the hypernetwork as the previous client's step left it, trained, then one Adam step
+(the round driver runs such a round as one exchange per client, ``Server.client_by_client``);
+``"sequential"`` also steps once per client, but every theta_i is generated at the round's
+start, so later steps apply updates measured from a hypernetwork that has since moved.
+Issue 20 chose "mean" over "sequential" on the validation split (50 FMNIST clients, 2 classes
+each: "sequential" stayed at chance), comparing seed 0 with seed 1; the cross-check against
+the authors' code (docs/crosscheck.md, issue 53) found that their loop is "alg1", which is
+not at chance: with their settings it leads ours by 35 points at round 30 while ours ran
+"sequential", and their own code changed to generate at the round's start falls to 64.0 (from
+97.4 at a fixed client order, seed 0). Every table of docs/results.md ran "mean".
 
 **MH-pFedHNG.** A lightweight global model (``global_model``, LeNet-style by default; K_g
 its parameter count, a head of tau_g = ceil(K_g/N) channels -- the smallest client's head
@@ -143,6 +146,7 @@ from hyperfed.models.select import select_names
 from hyperfed.models.zoo import build_model
 
 GLOBAL = -1  # the global model's slot in the hypernetwork
+HN_UPDATES = ("mean", "sequential", "alg1")
 _DEPLOY_SALT = 7919  # seeds the draw of the clients that deploy the global model (Table 15)
 
 
@@ -160,8 +164,9 @@ class MHPFedHNParams:
     out_dim: int | None = paper(3072, "seed 000 §4.1, App. D.4")
     # "none" / "per_client": Table 3's head ablations; "per_architecture": Table 10 (red)
     heads: str = paper("per_size", "seed 000 §3.2 (a head per tau_i)")
-    # one Adam step per round; "sequential": one per client (Alg. 1)
-    hn_update: str = chosen("mean", "per-client steps stayed at chance on val, 50 FMNIST clients")
+    # "mean": one Adam step a round; "sequential": one per client, every theta_i generated at
+    # the round's start; "alg1": client after client, each generated after the previous step
+    hn_update: str = chosen("mean", "issue 20's val runs; alg1 not yet run on validation")
     # G / GD: the lightweight global model's architecture
     global_model: str | None = paper(None, "seed 000 §3.2 (MH-pFedHN has none)")
     # GD: distil the global model into the personalized model
@@ -207,8 +212,10 @@ class MHPFedHNParams:
     def __post_init__(self) -> None:
         if self.heads not in HEAD_MODES:
             raise ValueError(f"heads must be one of {', '.join(HEAD_MODES)} (got {self.heads!r})")
-        if self.hn_update not in ("sequential", "mean"):
-            raise ValueError(f"hn_update must be sequential or mean (got {self.hn_update!r})")
+        if self.hn_update not in HN_UPDATES:
+            raise ValueError(
+                f"hn_update must be one of {', '.join(HN_UPDATES)} (got {self.hn_update!r})"
+            )
         if not 0 < self.upload_fraction <= 1:
             raise ValueError(f"upload_fraction must be in (0, 1] (got {self.upload_fraction})")
         if not 0 <= self.kd_lambda <= 1:
@@ -327,6 +334,10 @@ class MHPFedHNServer(Server):
                 tags[slot] = int(first["global_arch_id"]) if slot == GLOBAL else slot
         return tags
 
+    def client_by_client(self, rnd: int) -> bool:
+        # Alg. 1 (and the authors' loop): theta_i generated after the previous client's step
+        return bool(self.hp.hn_update == "alg1")
+
     def eligible_clients(self, rnd: int) -> list[int] | None:
         if self.adapt_from is None:
             return None
@@ -427,7 +438,7 @@ class MHPFedHNServer(Server):
             self._step({GLOBAL: -dw})
         # minus sign: the generated theta_i moves toward the trained theta~_i
         grads = {c: -decode_update(r, "delta", sizes[c]) for c, r in replies.items()}
-        if self.hp.hn_update == "sequential":
+        if self.hp.hn_update != "mean":  # alg1: one reply per call (client_by_client)
             for c, g in grads.items():
                 self._step({c: g}, adapting)
         else:

@@ -438,20 +438,30 @@ class RoundDriver:
         return accepted, sorted(problems)
 
     def _server_round(self, rnd: int, cids: list[int]) -> RoundResult:
-        ex = self.train_exchange(rnd, cids)
-        with phase(f"server: aggregating round {rnd}"):  # e.g. a server that trains
-            aggregate_flops = measured_flops(self.server.aggregate, rnd, ex.accepted)[1]
-        self._check_aggregation(ex.accepted)
-        train_loss, diverged = loss_summary(ex.got.losses, self.transport.reference)
+        # one exchange for the round, or one per client (Server.client_by_client: Alg. 1 loops)
+        batches = [[c] for c in cids] if self.server.client_by_client(rnd) else [cids]
+        exchanges: list[TrainExchange] = []
+        aggregate_flops = 0
+        for batch in batches:
+            ex = self.train_exchange(rnd, batch)
+            with phase(f"server: aggregating round {rnd}"):  # e.g. a server that trains
+                aggregate_flops += measured_flops(self.server.aggregate, rnd, ex.accepted)[1]
+            self._check_aggregation(ex.accepted)
+            exchanges.append(ex)
+        losses = [loss for ex in exchanges for loss in ex.got.losses]
+        train_loss, diverged = loss_summary(losses, self.transport.reference)
+        rejected = {c for ex in exchanges for c in ex.rejected}
         return RoundResult(
             clients=cids,
             train_loss=train_loss,
-            bytes_up=sum(payload_bytes(p) for p in ex.got.replies.values()),
-            bytes_down=sum(payload_bytes(ex.msgs[c]) for c in cids),
-            flops=ex.got.flops,
-            rejected=ex.rejected,
-            replied=sorted(ex.accepted),
-            server_flops=ex.server_flops + aggregate_flops,
+            bytes_up=sum(payload_bytes(p) for ex in exchanges for p in ex.got.replies.values()),
+            bytes_down=sum(
+                payload_bytes(ex.msgs[c]) for ex, batch in zip(exchanges, batches) for c in batch
+            ),
+            flops=sum(ex.got.flops for ex in exchanges),
+            rejected=[c for c in self.order if c in rejected],
+            replied=sorted(c for ex in exchanges for c in ex.accepted),
+            server_flops=sum(ex.server_flops for ex in exchanges) + aggregate_flops,
             nonfinite_loss=diverged,
         )
 
