@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hyperfed.engine.losses import weighted_average
+
 AGGREGATIONS = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
 
 
@@ -44,12 +46,6 @@ class RobustRule:
             raise ValueError(
                 f"aggregation={self.aggregation!r}; allowed: {', '.join(AGGREGATIONS)}"
             )
-
-
-def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
-    """``sum_k w_k v_k / sum_k w_k`` over the first axis (FedAvg's rule)."""
-    w = weights.to(values.dtype)
-    return torch.tensordot(w / w.sum(), values, dims=1)
 
 
 def coordinate_median(values: Tensor) -> Tensor:
@@ -100,7 +96,7 @@ def robust_average(values: Tensor, weights: Tensor, rule: RobustRule | None = No
     mean, with ``weights [n]`` the clients' sample counts; the robust rules ignore them)."""
     rule = rule or RobustRule()
     if rule.aggregation == "mean":
-        return weighted_mean(values, weights)
+        return weighted_average(values, weights)  # FedAvg's rule
     if rule.aggregation == "median":
         return coordinate_median(values)
     if rule.aggregation == "trimmed_mean":
