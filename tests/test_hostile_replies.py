@@ -26,14 +26,14 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from toy import tiny_mlp
+from toy import Scripted, tiny_mlp
 
 from hyperfed.algorithms.base import Payload, Server, ServerContext, check_join
 from hyperfed.algorithms.fedavg import FedAvgParams, FedAvgServer
 from hyperfed.config import ConfigError, DefenseConfig, load_config
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ZooNet
-from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver, check_eval_counts
+from hyperfed.runtime.driver import EvalCounts, RoundDriver, check_eval_counts
 
 K = 20  # tiny_mlp(3, 3, 2): 3*3 + 3 + 2*3 + 2 parameters
 
@@ -41,29 +41,6 @@ K = 20  # tiny_mlp(3, 3, 2): 3*3 + 3 + 2*3 + 2 parameters
 def float32_mlp() -> FunctionalModel:
     torch.manual_seed(0)
     return FunctionalModel(ZooNet(nn.Flatten(), (3,), 2, hidden=(3,)), "tiny")
-
-
-class Scripted:
-    """A transport whose clients answer what the test says: ``answer(c, msg) -> reply``."""
-
-    name = "simulation"
-    reference = False
-
-    def __init__(self, answer: Any, counts: EvalCounts | None = None) -> None:
-        self.answer = answer
-        self.counts = counts
-
-    def reachable(self) -> set[int] | None:
-        return None
-
-    def fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
-        return Exchange({c: self.answer(c, m) for c, m in msgs.items()})
-
-    def evaluate(self, msgs: dict[int, Payload], split: str) -> EvalCounts:
-        assert self.counts is not None
-        return EvalCounts(
-            *(x.clone() for x in (self.counts.correct, self.counts.total, self.counts.loss_sum))
-        )
 
 
 def fedavg(

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
-from toy import tiny_mlp
+from toy import Scripted, tiny_mlp
 
 from hyperfed.algorithms.base import Payload, ServerContext
 from hyperfed.algorithms.fedavg import FedAvgParams, FedAvgServer
@@ -44,7 +43,7 @@ from hyperfed.engine.robust import (
     robust_average,
     trimmed_mean,
 )
-from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver
+from hyperfed.runtime.driver import RoundDriver
 
 V = torch.tensor(
     [[1.0, 2.0], [2.0, 1.0], [3.0, 1.0], [6.0, 5.0], [100.0, -50.0]], dtype=torch.float64
@@ -105,23 +104,6 @@ def test_mean_is_fedavg_and_robust_rules_ignore_the_declared_counts():
 
 
 # -- through the server: every method that averages with FedAvg's rule --------------------------
-
-
-class Scripted:
-    name = "simulation"
-    reference = False
-
-    def __init__(self, answer: Any) -> None:
-        self.answer = answer
-
-    def reachable(self) -> set[int] | None:
-        return None
-
-    def fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
-        return Exchange({c: self.answer(c, m) for c, m in msgs.items()})
-
-    def evaluate(self, msgs: dict[int, Payload], split: str) -> EvalCounts:
-        raise NotImplementedError
 
 
 def fedavg_round(defense: DefenseConfig, updates: Tensor) -> tuple[Tensor, Tensor, RoundDriver]:

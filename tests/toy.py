@@ -1,14 +1,18 @@
 """Hand-sized building blocks the defining-property tests share: a float64 federation whose
-clients train and test on the same few samples, and a tiny zoo MLP."""
+clients train and test on the same few samples, a tiny zoo MLP and a scripted transport."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from hyperfed.algorithms.base import Payload
 from hyperfed.data.federated import FederatedData
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ZooNet
+from hyperfed.runtime.driver import EvalCounts, Exchange
 
 
 def toy_federation(x: Tensor, y: Tensor, idx: list[Tensor], num_classes: int) -> FederatedData:
@@ -27,3 +31,27 @@ def tiny_mlp(d_in: int, hidden: int, classes: int, seed: int = 0) -> FunctionalM
     fm = FunctionalModel(ZooNet(nn.Flatten(), (d_in,), classes, hidden=(hidden,)).double(), "tiny")
     assert fm.layout.names == ["fc.0.weight", "fc.0.bias", "classifier.weight", "classifier.bias"]
     return fm
+
+
+class Scripted:
+    """A transport whose clients answer what the test says: ``answer(c, msg) -> reply``; its
+    evaluation returns ``counts`` (a copy), if given."""
+
+    name = "simulation"
+    reference = False
+
+    def __init__(self, answer: Any, counts: EvalCounts | None = None) -> None:
+        self.answer = answer
+        self.counts = counts
+
+    def reachable(self) -> set[int] | None:
+        return None
+
+    def fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
+        return Exchange({c: self.answer(c, m) for c, m in msgs.items()})
+
+    def evaluate(self, msgs: dict[int, Payload], split: str) -> EvalCounts:
+        assert self.counts is not None, "this scripted transport has no evaluation counts"
+        return EvalCounts(
+            *(x.clone() for x in (self.counts.correct, self.counts.total, self.counts.loss_sum))
+        )
