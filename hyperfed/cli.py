@@ -27,7 +27,16 @@ from rich.table import Table
 from hyperfed.deploy.cli import ConfigOpt, ForceOpt, SetOpt, flower_cli
 from hyperfed.errors import HyperfedError
 from hyperfed.progress import LineReporter, duration, reporting
-from hyperfed.terminal import RichPhases, console, err_console, fail, print_final
+from hyperfed.terminal import (
+    RichPhases,
+    console,
+    err_console,
+    fail,
+    print_failed,
+    print_final,
+    run_counts,
+    say,
+)
 
 app = typer.Typer(
     help="Personalized federated learning with hypernetworks across heterogeneous clients.",
@@ -45,7 +54,7 @@ def progress_with_last(label: str, eta: bool = True) -> Progress:
         TextColumn(f"[bold blue]{label}"),
         MofNCompleteColumn(),
         BarColumn(),
-        TextColumn("{task.fields[last]}"),
+        TextColumn("{task.fields[last]}", markup=False),
         TimeElapsedColumn(),
     ]
     if eta:
@@ -176,11 +185,6 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
             f"(first: round {nonfinite[0]}); the run diverged: lower local.lr or check the data",
             highlight=False,
         )
-
-
-def say(line: str) -> None:
-    """One plain line on the console (no markup, no highlighting)."""
-    console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def print_estimates(sim: Any, start: int) -> None:
@@ -364,14 +368,14 @@ def tune(
     except HyperfedError as e:
         fail(str(e))
         return
-    console.print(f"tuning on the validation split: {', '.join(space)}", highlight=False)
+    say(f"tuning on the validation split: {', '.join(space)}")
     with progress_with_last("tune") as progress:
         task = progress.add_task("trials", total=trials, last="")
 
         def on_progress(done: int, total: int, line: str) -> None:
             progress.update(task, completed=done, total=total, last=line)
             if line and not console.is_terminal:
-                console.print(f"tune: {done}/{total} trials ({line})", highlight=False)
+                say(f"tune: {done}/{total} trials ({line})")
 
         try:
             best = run_tune(out, request, parallel=parallel, on_progress=on_progress)
@@ -379,16 +383,13 @@ def tune(
             fail(str(e))
             return
         except KeyboardInterrupt:
-            err_console.print(f"interrupted; the same command resumes the study in {out}")
+            say(f"interrupted; the same command resumes the study in {out}", err=True)
             raise typer.Exit(130) from None
     values = ", ".join(
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best["best"].items()
     )
-    console.print(
-        f"best of {best['completed']} completed trials: val acc {best['value']:.4f} with {values}",
-        highlight=False,
-    )
-    console.print(f"wrote {out / 'best.toml'} (a config fragment) and the study's plots")
+    say(f"best of {best['completed']} completed trials: val acc {best['value']:.4f} with {values}")
+    say(f"wrote {out / 'best.toml'} (a config fragment) and the study's plots")
 
 
 @app.command()
@@ -429,10 +430,10 @@ def sweep(
     with progress_with_last("sweep") as progress:
         task = progress.add_task("runs", total=None, last="")
 
-        def on_progress(done: int, total: int, name: str) -> None:
-            progress.update(task, completed=done, total=total, last=name)
-            if name and not console.is_terminal:
-                console.print(f"sweep: {done}/{total} runs ({name} finished)", highlight=False)
+        def on_progress(ended: int, total: int, line: str) -> None:
+            progress.update(task, completed=ended, total=total, last=line)
+            if line and not console.is_terminal:
+                say(f"sweep: {ended}/{total} runs ended ({line})")
 
         try:
             result = run_sweep(
@@ -449,23 +450,20 @@ def sweep(
             fail(str(e))
             return
         except KeyboardInterrupt:
-            err_console.print(f"interrupted; resume with: hyperfed sweep --out {out}")
+            say(f"interrupted; resume with: hyperfed sweep --out {out}", err=True)
             raise typer.Exit(130) from None
-    console.print(
-        f"sweep {out}: {len(result.done)} ran, {len(result.skipped)} already finished, "
-        f"{len(result.failed)} failed"
-    )
     for name, why in result.failed:
-        err_console.print(f"[bold red]failed:[/] {name}: {why}", highlight=False)
+        print_failed(name, why)
+    say(f"sweep {out}: {run_counts(len(result.done), len(result.failed), len(result.skipped))}")
     kept = checkpoint_bytes(out)
     if kept:
-        console.print(
+        say(
             f"checkpoints below {out}: {kept / 1e6:.0f} MB (--drop-checkpoints deletes the "
             "finished runs' ones)"
         )
     if result.failed:
         raise typer.Exit(1)
-    console.print(f"compare with: hyperfed report {out}")
+    say(f"compare with: hyperfed report {out}")
 
 
 @app.command()
@@ -538,8 +536,8 @@ def reproduce(
         with progress_with_last(t.key, eta=False) as progress:
             task = progress.add_task("runs", total=None, last="")
 
-            def on_progress(done: int, total: int, name: str) -> None:
-                progress.update(task, completed=done, total=total, last=name)
+            def on_progress(ended: int, total: int, line: str) -> None:
+                progress.update(task, completed=ended, total=total, last=line)
 
             result = run_sweep(
                 folder,
@@ -550,8 +548,6 @@ def reproduce(
                 on_progress=on_progress,
                 only=runs_method(chosen),
             )
-        for name, why in result.failed:
-            err_console.print(f"[bold red]failed:[/] {name}: {why}", highlight=False)
         # the default sweep's runs (one level down; --tuned's are under tuned/<method>/)
         runs = [
             r for r in sweep_runs([folder]) if r.parent == folder and run_algorithm(r) in chosen
@@ -564,10 +560,9 @@ def reproduce(
                 def on_tune(done: int, total: int, line: str) -> None:
                     progress.update(task, completed=done, total=total, last=line)
 
-                tuned_dirs, tuned_failed = tuned_runs(
-                    t, scale, configs, folder, chosen, seed_list, trials, parallel, on_tune
+                tuned_dirs, _ = tuned_runs(
+                    t, scale, configs, folder, chosen, seed_list, trials, parallel, on_tune, result
                 )
-            result.failed.extend(tuned_failed)
             tuned_result = compare(t, [run_summary(r) for r in tuned_dirs], chosen)
             text = markdown(t, default, seed_list, tuned_result, trials, scale)
             write_report(tuned_dirs, folder / "report-tuned")
@@ -579,10 +574,14 @@ def reproduce(
         fail(str(e))
         return
     except KeyboardInterrupt:
-        err_console.print(f"interrupted; the same command resumes it ({folder})")
+        say(f"interrupted; the same command resumes it ({folder})", err=True)
         raise typer.Exit(130) from None
-    console.print(text, soft_wrap=True, highlight=False)
-    console.print(f"wrote {folder / 'reproduce.md'} and {folder / 'report'}/")
+    say(text)
+    say(f"wrote {folder / 'reproduce.md'} and {folder / 'report'}/")
+    for name, why in result.failed:
+        print_failed(name, why)
+    counts = run_counts(len(result.done), len(result.failed), len(result.skipped))
+    say(f"{t.key} runs: {counts}")
     if result.failed:
         raise typer.Exit(1)
 

@@ -26,7 +26,7 @@ from hyperfed.errors import HyperfedError
 from hyperfed.report import METRIC_NOTE, plateaued, row_gain, unsound
 
 if TYPE_CHECKING:
-    from hyperfed.sweep import SweepPoint
+    from hyperfed.sweep import SweepPoint, SweepResult
 
 
 class ReproduceError(HyperfedError, ValueError):
@@ -405,11 +405,13 @@ def tuned_runs(
     trials: int,
     parallel: int = 1,
     on_progress: Callable[[int, int, str], None] | None = None,
+    tally: SweepResult | None = None,
 ) -> tuple[list[Path], list[tuple[str, str]]]:
     """``--tuned``: every method gets the same budget, ``trials`` trials of ``hyperfed tune`` on
     the validation split (study in ``folder/tune/<method>``, seed 0's federation), then its
     seeds run on test with the best values (``folder/tuned/<method>``). Returns the tuned run
-    directories and the failed runs."""
+    directories and the failed runs, named ``tuned/<method>/<run>``; ``tally`` (the default
+    sweep's result) also gets the tuned runs' finished, failed and skipped names."""
     from hyperfed.sweep import run_sweep, sweep_runs
     from hyperfed.tune import TuneRequest, best_sets, tune
 
@@ -434,9 +436,15 @@ def tuned_runs(
             seeds=seeds,
             parallel=parallel,
         )
-        failed += result.failed
+        prefix = f"tuned/{m}/"
+        failed += [(prefix + name, why) for name, why in result.failed]
+        if tally is not None:
+            tally.done += [prefix + name for name in result.done]
+            tally.skipped += [prefix + name for name in result.skipped]
         runs += sweep_runs([folder / "tuned" / m])
         progress(trials + 1, trials + 1, "tuned seeds done")
+    if tally is not None:
+        tally.failed += failed
     return runs, failed
 
 

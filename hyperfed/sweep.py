@@ -123,8 +123,8 @@ def load_manifest(out: Path) -> dict[str, Any] | None:
 
 @dataclass
 class SweepResult:
-    done: list[str]
-    skipped: list[str]
+    done: list[str]  # ran to the end in this call
+    skipped: list[str]  # finished by an earlier call
     failed: list[tuple[str, str]]  # name, last line of its error output
 
 
@@ -146,7 +146,9 @@ def run_sweep(
     so a later call can run the rest). ``drop_checkpoints`` deletes each finished run's
     ``checkpoint.pt`` (only ``--resume`` reads it; the metrics say a run is done), also of
     runs an earlier call finished: a grid of hundreds of runs otherwise keeps a model state per
-    run and client on disk."""
+    run and client on disk. ``on_progress(ended, total, line)`` is called once before the
+    first run (``line`` empty) and after each run ends, ``line`` saying which and how:
+    ``<name> finished`` or ``<name> failed`` (its error is in the result's ``failed``)."""
     if parallel < 1:
         raise SweepError(f"--parallel {parallel}: run at least 1 at a time")
     stored = load_manifest(out)
@@ -229,7 +231,8 @@ def run_sweep(
                     lines = log.read_text(errors="replace").strip().splitlines() or ["?"]
                     result.failed.append((p.name, f"{lines[-1]} (full output: {log})"))
                 if on_progress:
-                    on_progress(finished, total, p.name)
+                    outcome = "finished" if proc.returncode == 0 else "failed"
+                    on_progress(finished, total, f"{p.name} {outcome}")
     except KeyboardInterrupt:
         for _, proc, _ in running:
             proc.terminate()

@@ -1,5 +1,9 @@
 """What every command prints with: the consoles, the one-line failure, the final table.
 
+Text that comes from the user or from an error (paths, ``--set`` values, a run's last error
+line) goes through :func:`say` or :func:`print_failed`, which never read it as rich markup: a
+path such as ``[/data]`` would otherwise be taken for a closing tag and crash the command.
+
 Shared by ``hyperfed`` (cli.py) and ``hyperfed flower`` (deploy/cli.py), so neither imports the
 other's private helpers.
 """
@@ -26,6 +30,27 @@ def fail(message: str, code: int = 2) -> NoReturn:
     # escape: messages quote paths and lists in [...], which rich would read as markup
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def say(line: str, *, err: bool = False) -> None:
+    """One plain line on stdout (``err``: stderr), printed literally (no markup, no
+    highlighting)."""
+    (err_console if err else console).print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def print_failed(name: str, why: str) -> None:
+    """``failed: <run>: <its one-line error>`` on stderr, the run's name and error printed
+    literally (``why`` may quote paths in [...])."""
+    from rich.text import Text
+
+    why = why.removeprefix("error: ")
+    line = Text.assemble(("failed:", "bold red"), f" {name}: {why}")
+    err_console.print(line, highlight=False, soft_wrap=True)
+
+
+def run_counts(finished: int, failed: int, skipped: int) -> str:
+    """The summary of a batch of runs: ``2 finished, 1 failed, 3 skipped (finished before)``."""
+    return f"{finished} finished, {failed} failed, {skipped} skipped (finished before)"
 
 
 class RichPhases:

@@ -141,7 +141,81 @@ def test_drop_checkpoints_deletes_finished_runs_checkpoints_and_keeps_them_done(
     args = ["sweep", "--out", str(out), "--drop-checkpoints"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "1 ran, 1 already finished" in " ".join(result.output.split())
+    assert "1 finished, 0 failed, 1 skipped (finished before)" in " ".join(result.output.split())
     assert checkpoint_bytes(out) == 0 and not list(out.rglob("checkpoint.pt"))
     for seed in (0, 1):
         assert len(read_metrics(out / f"seed={seed}")) == 2
+
+
+def _missing_data(tmp_path: Path) -> list[str]:
+    """``--set`` options of a run that fails at data load, before any training, with an error
+    quoting ``tmp_path/[x]`` in brackets: ``[/tmp/.../[x], ...]`` is a closing tag to rich."""
+    return ["dataset.name=fashion_mnist", f"dataset.data_dir={tmp_path / '[x]'}", "rounds=1"]
+
+
+def test_a_failed_run_is_one_literal_line_with_its_name_counted_failed_and_exit_1(
+    tmp_path: Path,
+) -> None:
+    """Issue 56: the failed run's own error, printed as written (not read as console markup,
+    which crashed the sweep with a MarkupError traceback), named, counted as failed in the
+    progress and summary lines, and the exit status is 1."""
+    from typer.testing import CliRunner
+
+    from hyperfed.cli import app
+
+    out = tmp_path / "sweep"
+    args = ["sweep", "--out", str(out), "--seeds", "0"]
+    for s in _missing_data(tmp_path):
+        args += ["--set", s]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.output.splitlines()
+    failed = [line for line in lines if line.startswith("failed: seed=0: ")]
+    assert len(failed) == 1, result.output
+    assert f"not found in [{tmp_path / '[x]'}, " in failed[0]  # the brackets printed literally
+    assert f"(full output: {out / '.seed=0.log'})" in failed[0]
+    assert "sweep: 1/1 runs ended (seed=0 failed)" in lines
+    assert f"sweep {out}: 0 finished, 1 failed, 0 skipped (finished before)" in lines
+    assert "Traceback" not in result.output
+
+
+def test_reproduce_names_each_failed_run_counts_it_and_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hyperfed reproduce`` without its data: the table is still written, then each failed
+    run's one-line error (brackets literal) and the finished / failed / skipped counts."""
+    from typer.testing import CliRunner
+
+    from hyperfed import reproduce
+    from hyperfed.cli import app
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "tiny.toml").write_text('[clients]\ncount = 3\nmodels = "mlp"\n')
+    sets = tuple(_missing_data(tmp_path))
+    target = reproduce.Target("9:t", "toy", "tiny.toml", ("fedavg", "local"), ("local",), cpu=sets)
+    monkeypatch.setitem(reproduce.TARGETS, target.key, target)
+    args = ["reproduce", target.key, "--methods", "local", "--seeds", "0"]
+    args += ["--out", str(tmp_path / "r"), "--configs", str(configs)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    failed = [line for line in lines if line.startswith("failed: algorithm.name=local,seed=0: ")]
+    assert len(failed) == 1, result.output
+    assert f"not found in [{tmp_path / '[x]'}, " in failed[0]
+    assert "9:t runs: 0 finished, 1 failed, 0 skipped (finished before)" in lines
+
+
+def test_failure_and_plain_lines_print_user_text_literally(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``[/data]`` is a closing tag to rich (a MarkupError) and ``[bold]`` a style: both print
+    as written."""
+    from hyperfed.terminal import print_failed, say
+
+    print_failed("seed=0", "error: not found in [/data, /data/x]; [bold]no[/bold]")
+    say("resume [/out]", err=True)
+    err = capsys.readouterr().err
+    assert "failed: seed=0: not found in [/data, /data/x]; [bold]no[/bold]\n" in err
+    assert "resume [/out]\n" in err
