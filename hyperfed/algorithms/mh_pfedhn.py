@@ -66,7 +66,7 @@ hypernetwork makes of a random code (the authors' embeddings start at N(0, 0.002
 2e-4 a step over their 500 rounds is a large move). The default was chosen on the validation
 split, identical trained state per seed for every reading (docs/claims/000.md, C5).
 
-**The authors' code (GitHub DangDang1895/MH-pFL) as options.** ``hn_update="sequential"``
+**The authors' code (GitHub DangDang1895/MH-pFL) as options.** ``hn_update="alg1"``
 with ``hn_grad_clip=50`` (their ``--grad-clip``: the hypernetwork's gradient norm clipped
 before every Adam step), ``embed_std=0.002`` (their ``norm_var``), ``extractor_relu_out=True``
 (their extractor ends in a ReLU) and ``hidden=128`` (their ``hidm``); their local training
