@@ -46,7 +46,7 @@ def main() -> None:
     for seed in (int(s) for s in args.seeds.split(",")):
         cfg = load_config(args.config, [*args.sets, f"seed={seed}"])
         sim = Simulation(cfg)
-        server = sim.server
+        server = getattr(sim.server, "method", sim.server)  # a composed method's own server
         first_adapt = server.adapt_from
         assert first_adapt is not None, "set algorithm.new_clients and algorithm.adapt_rounds"
         t0 = time.perf_counter()
