@@ -50,6 +50,7 @@ def main() -> None:
         first_adapt = server.adapt_from
         assert first_adapt is not None, "set algorithm.new_clients and algorithm.adapt_rounds"
         t0 = time.perf_counter()
+        sim.run_setup()  # a method's setup phase (MH-pFedHNDD: distil and merge S), as sim.run()
         for rnd in range(1, first_adapt):
             sim.run_round(rnd)
         trained = copy.deepcopy(sim.state_dict(first_adapt - 1))
