@@ -26,14 +26,13 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from toy import Scripted, tiny_mlp
+from toy import Scripted, fedavg, tiny_mlp
 
 from hyperfed.algorithms.base import Payload, Server, ServerContext, check_join
-from hyperfed.algorithms.fedavg import FedAvgParams, FedAvgServer
 from hyperfed.config import ConfigError, DefenseConfig, load_config
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ZooNet
-from hyperfed.runtime.driver import EvalCounts, RoundDriver, check_eval_counts
+from hyperfed.runtime.driver import EvalCounts, check_eval_counts
 
 K = 20  # tiny_mlp(3, 3, 2): 3*3 + 3 + 2*3 + 2 parameters
 
@@ -41,29 +40,6 @@ K = 20  # tiny_mlp(3, 3, 2): 3*3 + 3 + 2*3 + 2 parameters
 def float32_mlp() -> FunctionalModel:
     torch.manual_seed(0)
     return FunctionalModel(ZooNet(nn.Flatten(), (3,), 2, hidden=(3,)), "tiny")
-
-
-def fedavg(
-    sizes: list[int], fm: FunctionalModel, answer: Any, defense: DefenseConfig | None = None
-) -> tuple[FedAvgServer, RoundDriver]:
-    joins = {
-        c: {"num_params": torch.tensor(fm.num_params), "num_samples": torch.tensor(n)}
-        for c, n in enumerate(sizes)
-    }
-    ctx = ServerContext(0, torch.device("cpu"), 2, (3,), {"tiny": fm})
-    server = FedAvgServer(FedAvgParams(), joins, ctx)
-    n = len(sizes)
-    driver = RoundDriver(
-        server,
-        Scripted(answer),
-        num_clients=n,
-        participation=1.0,
-        seed=0,
-        arch_of=["tiny"] * n,
-        order=list(range(n)),
-        defense=defense,
-    )
-    return server, driver
 
 
 def direction(c: int, k: int = K, dtype: torch.dtype = torch.float64) -> Tensor:

@@ -30,10 +30,9 @@ import math
 import pytest
 import torch
 from torch import Tensor
-from toy import Scripted, tiny_mlp
+from toy import fedavg, tiny_mlp
 
-from hyperfed.algorithms.base import Payload, ServerContext
-from hyperfed.algorithms.fedavg import FedAvgParams, FedAvgServer
+from hyperfed.algorithms.base import Payload
 from hyperfed.config import ConfigError, DefenseConfig, load_config
 from hyperfed.engine.robust import (
     RobustRule,
@@ -111,28 +110,13 @@ def fedavg_round(defense: DefenseConfig, updates: Tensor) -> tuple[Tensor, Tenso
     ``updates`` in the first two coordinates; returns (model before, model after, driver)."""
     fm = tiny_mlp(3, 3, 2)
     n = updates.shape[0]
-    joins = {
-        c: {"num_params": torch.tensor(fm.num_params), "num_samples": torch.tensor(c + 1)}
-        for c in range(n)
-    }
-    ctx = ServerContext(0, torch.device("cpu"), 2, (3,), {"tiny": fm}, aggregation=defense.rule())
-    server = FedAvgServer(FedAvgParams(), joins, ctx)
 
     def answer(c: int, msg: Payload) -> Payload:
         u = torch.zeros_like(msg["theta"])
         u[:2] = updates[c]
         return {"theta": msg["theta"] + u}
 
-    driver = RoundDriver(
-        server,
-        Scripted(answer),
-        num_clients=n,
-        participation=1.0,
-        seed=0,
-        arch_of=["tiny"] * n,
-        order=list(range(n)),
-        defense=defense,
-    )
+    server, driver = fedavg([c + 1 for c in range(n)], fm, answer, defense)
     before = fm.initial_params()
     driver.run_round(1)
     return before, server.theta[str(fm.num_params)], driver

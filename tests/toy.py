@@ -8,11 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from hyperfed.algorithms.base import Payload
+from hyperfed.algorithms.base import Payload, ServerContext
+from hyperfed.algorithms.fedavg import FedAvgParams, FedAvgServer
+from hyperfed.config import DefenseConfig
 from hyperfed.data.federated import FederatedData
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ZooNet
-from hyperfed.runtime.driver import EvalCounts, Exchange
+from hyperfed.runtime.driver import EvalCounts, Exchange, RoundDriver
 
 
 def toy_federation(x: Tensor, y: Tensor, idx: list[Tensor], num_classes: int) -> FederatedData:
@@ -55,3 +57,29 @@ class Scripted:
         return EvalCounts(
             *(x.clone() for x in (self.counts.correct, self.counts.total, self.counts.loss_sum))
         )
+
+
+def fedavg(
+    sizes: list[int], fm: FunctionalModel, answer: Any, defense: DefenseConfig | None = None
+) -> tuple[FedAvgServer, RoundDriver]:
+    """A FedAvg server over clients of ``sizes`` samples whose replies ``answer(c, msg)`` gives,
+    and its round driver (``defense``: the [defense] settings, robust rule included)."""
+    joins = {
+        c: {"num_params": torch.tensor(fm.num_params), "num_samples": torch.tensor(n)}
+        for c, n in enumerate(sizes)
+    }
+    rule = defense.rule() if defense is not None else None
+    ctx = ServerContext(0, torch.device("cpu"), 2, (3,), {"tiny": fm}, aggregation=rule)
+    server = FedAvgServer(FedAvgParams(), joins, ctx)
+    n = len(sizes)
+    driver = RoundDriver(
+        server,
+        Scripted(answer),
+        num_clients=n,
+        participation=1.0,
+        seed=0,
+        arch_of=["tiny"] * n,
+        order=list(range(n)),
+        defense=defense,
+    )
+    return server, driver
