@@ -756,6 +756,31 @@ def test_several_hypernetwork_steps_each_start_from_the_moved_output():
         PFedKTParams(hn_steps=0)
 
 
+def test_hn_grad_clip_scales_each_clients_eq10_gradient_to_the_bound():
+    """hn_grad_clip = C: each client's Eq. 10 gradient g (autograd by hand) is scaled to
+    norm min(||g||, C) before the SGD step (the pFedES code's clip_grad_norm_), per client;
+    a bound above ||g|| changes nothing."""
+    n, xs, ys, data, fm, _, _, state = _e2e_setup(None)
+    glob = torch.randn(K_LIN, dtype=torch.float64)
+    lr, out = 0.02, {}
+    for clip in (None, 1e-3, 1e9):
+        hp = PFedKTParams(
+            mu=0.3, alpha=5.0, hn_training="first_order", hn_lr=lr, hn_grad_clip=clip, **HN_SHAPE
+        )
+        client = PFedKTClient(hp, ClientContext(0, torch.device("cpu"), N_CLS, (D_IN,)))
+        out[clip] = _fit_each(client, fm, data, n, dict(state), glob, 1)
+    trained, clipped, _ = out[1e-3]
+    for c in range(2):
+        phi = state["hn"][c]
+        g = (phi - _hn_step_by_hand(phi, _hn_generate(phi), trained[c], 1.0)).detach()
+        assert g.norm() > 1e-3, "the example must have a gradient above the bound"
+        expected = phi - lr * g * (1e-3 / g.norm())
+        assert torch.allclose(clipped["hn"][c], expected, rtol=1e-8, atol=1e-12)
+    assert torch.allclose(out[1e9][1]["hn"], out[None][1]["hn"], rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="hn_grad_clip"):
+        PFedKTParams(hn_grad_clip=0.0)
+
+
 def test_end_to_end_flops_count_the_hypernetwork_at_every_step():
     """FLOPs by hand: each end-to-end step adds the generation F and its backward into both
     operands of every product (2F) to the target model's step, and the trained model is

@@ -94,8 +94,9 @@ from hyperfed.algorithms.local_settings import SEED001
 from hyperfed.engine.local import FlopMeter, LossFn, train_clients
 from hyperfed.engine.optim import SGD, Adam, UpdateRule
 from hyperfed.hparams import Space
-from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, update
+from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, optimizer_step
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.privacy.dp_sgd import clip_per_sample
 
 DISTANCES = ("kl", "cosine", "l2", "mse")
 LOSSES = ("triplet", "moon", "l2reg")
@@ -133,6 +134,12 @@ class PFedKTParams:
       update (the trained change is ~1).
     - ``hn_optimizer``: ``sgd`` (Eq. 10 is a plain gradient step) or ``adam``; the paper does
       not name one. ``hn_momentum`` applies to ``sgd``.
+    - ``hn_grad_clip``: None (the paper names no clipping) or a bound on each client's Eq. 10
+      gradient ``(d theta/d phi)^T delta``, L2 norm over all of phi_k, applied before the
+      optimizer step (first_order only). The same group's pFedES code clips every gradient at
+      norm 50 (``clip_grad_norm_``) and steps with SGD momentum 0.9 (authors' code, not the
+      paper): ``hn_grad_clip=50 hn_momentum=0.9 hn_lr=5e-3`` is that stabilised reading of
+      Alg. 1.
     - ``hn_steps``: Eq. 10 steps a round in ``first_order`` mode (Alg. 1: one). With k > 1
       each step starts from the moved hypernetwork's output, ``delta = h(v; phi) - omega_k^t``,
       so the hypernetwork absorbs more of the trained model before next round regenerates it
@@ -180,6 +187,7 @@ class PFedKTParams:
     )
     hn_momentum: float = paper(0.0, "seed 001 Eq. 10 (a plain gradient step)")
     hn_steps: int = paper(1, "seed 001 Alg. 1 (one Eq. 10 step a round; first_order only)")
+    hn_grad_clip: float | None = chosen(None, "seed 001 names no clipping (pFedES code: 50)")
     hn_init: str | None = chosen(
         None,
         "None = per mode (the paper gives no init): layer for end_to_end (val acc 0.951 vs "
@@ -222,6 +230,8 @@ class PFedKTParams:
             raise ValueError(f"mu={self.mu}; allowed: 0 <= mu < 1")
         if self.alpha < 0 or self.tau <= 0 or (self.hn_lr is not None and self.hn_lr <= 0):
             raise ValueError("alpha must be >= 0, tau and hn_lr > 0")
+        if self.hn_grad_clip is not None and not self.hn_grad_clip > 0:
+            raise ValueError(f"hn_grad_clip={self.hn_grad_clip}; must be > 0 or unset")
         if self.hn_steps < 1:
             raise ValueError(f"hn_steps={self.hn_steps}; need at least 1 (Alg. 1: one)")
         if self.chunk < 0 or min(self.emb_dim, self.hidden) < 1 or self.n_hidden < 0:
@@ -412,7 +422,10 @@ class PFedKTClient(Client):
                 for step in range(hp.hn_steps):  # Eq. 10, from the moved phi after the first
                     if step:
                         generated = hn.generate(phi).detach()
-                    phi, opt_state = update(hn, self.opt, phi, generated, theta, opt_state)
+                    g = hn.grad(phi, generated - theta)  # Eq. 10's (d theta/d phi)^T delta
+                    if hp.hn_grad_clip is not None:
+                        g = clip_per_sample(g, hp.hn_grad_clip)  # per client, over all of phi_k
+                    phi, opt_state = optimizer_step(self.opt, phi, g, opt_state)
             new_state.update(hn=phi.detach(), **opt_state)
         return {"theta": theta}, new_state, loss
 
