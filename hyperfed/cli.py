@@ -358,7 +358,7 @@ def tune(
 
     hyperfed tune --set algorithm.name=moon --trials 20 --out tune/moon; the same command
     resumes a killed study. The test split is never evaluated while tuning."""
-    from hyperfed.tune import TuneRequest, search_space
+    from hyperfed.tune import NoTrialCompleted, TuneRequest, search_space
     from hyperfed.tune import tune as run_tune
 
     request = TuneRequest(config, tuple(set_ or []), trials, seed)
@@ -379,12 +379,24 @@ def tune(
 
         try:
             best = run_tune(out, request, parallel=parallel, on_progress=on_progress)
+        except NoTrialCompleted as e:  # every trial pruned or failed: each failure, then why
+            progress.stop()
+            for name, why in e.failed:
+                print_failed(name, why)
+            fail(str(e), code=1)
         except HyperfedError as e:
             fail(str(e))
             return
         except KeyboardInterrupt:
             say(f"interrupted; the same command resumes the study in {out}", err=True)
             raise typer.Exit(130) from None
+    for name, why in best["failed"]:
+        print_failed(name, why)
+    if best["failed"]:
+        say(
+            f"tune {out}: {best['ended']} trials ended, {len(best['failed'])} failed (a failed "
+            "trial counts in --trials; a larger --trials runs more)"
+        )
     values = ", ".join(
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in best["best"].items()
     )

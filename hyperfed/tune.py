@@ -30,7 +30,9 @@ import importlib.util
 import json
 import math
 import multiprocessing as mp
+import signal
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,10 +56,37 @@ LOCAL_LR = Space(1e-3, 0.3, log=True)
 CONFIG_DEFAULT = "config_default"
 # the validation share a config without one is given for tuning
 DEFAULT_VAL_FRACTION = 0.15
+# user attribute of a trial that raised (a bug or a crash, not a user error): its one-line cause
+TRIAL_ERROR = "error"
 
 
 class TuneError(HyperfedError, ValueError):
     """A bad tuning request (one line, for the CLI)."""
+
+
+class NoTrialCompleted(TuneError):
+    """Every trial of the study was pruned or failed; ``failed`` names the failed ones."""
+
+    def __init__(self, message: str, failed: list[tuple[str, str]]) -> None:
+        super().__init__(message)
+        self.failed = failed
+
+
+class TrialFailed(Exception):
+    """A trial raised something other than a :class:`HyperfedError` (recorded, not fatal)."""
+
+
+def one_line_cause(e: BaseException) -> str:
+    """``RuntimeError: <first line> (at hyperfed/x.py:12)``: an exception in one line, with
+    the innermost frame it came from."""
+    lines = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {lines[0].strip()}" if lines else type(e).__name__
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames:
+        path = frames[-1].filename
+        path = path[path.rfind("hyperfed/") :] if "hyperfed/" in path else Path(path).name
+        text += f" (at {path}:{frames[-1].lineno})"
+    return text
 
 
 class TrainingDiverged(Exception):
@@ -210,6 +239,11 @@ def _objective(request: TuneRequest, space: dict[str, Space]) -> Callable[[Any],
         except TrainingDiverged as diverged:
             trial.set_user_attr("diverged_round", diverged.round)
             raise optuna.TrialPruned(f"training diverged at {diverged}") from None
+        except (HyperfedError, optuna.TrialPruned):
+            raise  # a user error stops the study in one line; a pruned trial is pruned
+        except Exception as e:  # a bug or a crash in this trial: recorded, the study goes on
+            trial.set_user_attr(TRIAL_ERROR, one_line_cause(e))
+            raise TrialFailed(str(e)) from e
         if not math.isfinite(acc):
             raise optuna.TrialPruned("non-finite validation accuracy")
         return acc
@@ -236,10 +270,27 @@ def open_study(folder: Path, request: TuneRequest, worker: int = 0) -> optuna.St
     return study
 
 
-def _done(study: optuna.Study) -> int:
+def _ended(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether ``trial`` counts in the budget as ended: completed, pruned, or failed with a
+    recorded cause (a trial left failed by a killed study is run again instead)."""
     from optuna.trial import TrialState
 
-    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+    if trial.state == TrialState.FAIL:
+        return TRIAL_ERROR in trial.user_attrs
+    return trial.state in (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def _done(study: optuna.Study) -> int:
+    return sum(_ended(t) for t in study.get_trials(deepcopy=False))
+
+
+def failed_trials(study: optuna.Study) -> list[tuple[str, str]]:
+    """``("trial 3", cause)`` for every trial that failed with a recorded cause."""
+    return [
+        (f"trial {t.number}", t.user_attrs[TRIAL_ERROR])
+        for t in study.get_trials(deepcopy=False)
+        if TRIAL_ERROR in t.user_attrs
+    ]
 
 
 def requeue_interrupted(study: optuna.Study) -> int:
@@ -261,36 +312,67 @@ def claim_trial(study: optuna.Study, folder: Path, trials: int) -> optuna.Trial 
     instead of idling, and together they never start more than ``trials``."""
     from optuna.trial import TrialState
 
-    counted = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
     with open(folder / CLAIM_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            used = sum(t.state in counted for t in study.get_trials(deepcopy=False))
+            used = sum(
+                _ended(t) or t.state == TrialState.RUNNING for t in study.get_trials(deepcopy=False)
+            )
             return study.ask() if used < trials else None
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _worker(folder: str, request: TuneRequest, space: dict[str, Space], worker: int) -> None:
-    """One process of ``--parallel``: claims trials (:func:`claim_trial`) until the study
-    holds ``request.trials``, so it ends with exactly that many whatever each trial costs."""
+def run_trials(
+    study: optuna.Study,
+    folder: Path,
+    request: TuneRequest,
+    space: dict[str, Space],
+    on_trial: Callable[[optuna.trial.FrozenTrial], None] | None = None,
+) -> None:
+    """Claim trials (:func:`claim_trial`) and run them until the study holds
+    ``request.trials``; ``on_trial`` after each. A trial that raises something other than a
+    :class:`HyperfedError` is told failed with its one-line cause and counts as ended; a
+    :class:`HyperfedError` (a user error, the same for every trial) is raised; an interrupted
+    trial stays RUNNING, so the next start runs it again with its values."""
     import optuna
-    import torch
     from optuna.trial import TrialState
 
-    torch.set_num_threads(1)
-    study = open_study(Path(folder), request, worker)
     objective = _objective(request, space)
-    while (trial := claim_trial(study, Path(folder), request.trials)) is not None:
+    while (trial := claim_trial(study, folder, request.trials)) is not None:
         try:
             value = objective(trial)
         except optuna.TrialPruned:
-            study.tell(trial, state=TrialState.PRUNED)
-        except BaseException:
+            frozen = study.tell(trial, state=TrialState.PRUNED)
+        except TrialFailed:
+            frozen = study.tell(trial, state=TrialState.FAIL)
+        except Exception:
             study.tell(trial, state=TrialState.FAIL)
             raise
         else:
-            study.tell(trial, value)
+            frozen = study.tell(trial, value)
+        if on_trial is not None:
+            on_trial(frozen)
+
+
+def _worker_error(folder: Path, worker: int) -> Path:
+    return folder / f".worker-{worker}.error"
+
+
+def _worker(folder: str, request: TuneRequest, space: dict[str, Space], worker: int) -> None:
+    """One process of ``--parallel``: runs trials (:func:`run_trials`) until the study holds
+    ``request.trials``, so it ends with exactly that many whatever each trial costs. What
+    stops it early is written, one line, to ``.worker-<i>.error`` for the parent to report."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        study = open_study(Path(folder), request, worker)
+        run_trials(study, Path(folder), request, space)
+    except BaseException as e:
+        cause = str(e) if isinstance(e, HyperfedError) else one_line_cause(e)
+        _worker_error(Path(folder), worker).write_text(cause + "\n")
+        raise
 
 
 def require_optuna() -> None:
@@ -348,40 +430,67 @@ def tune(
     if on_progress is not None:
         on_progress(_done(study), request.trials, "")
     if parallel == 1:
-        from optuna.study import MaxTrialsCallback
-        from optuna.trial import FrozenTrial, TrialState
 
-        stop = MaxTrialsCallback(request.trials, states=(TrialState.COMPLETE, TrialState.PRUNED))
-
-        def progress(study: optuna.Study, trial: FrozenTrial) -> None:
+        def progress(trial: optuna.trial.FrozenTrial) -> None:
             if on_progress is not None:
                 on_progress(_done(study), request.trials, _trial_line(trial))
 
-        if _done(study) < request.trials:
-            study.optimize(_objective(request, space), callbacks=[stop, progress])
+        run_trials(study, folder, request, space, progress)
     else:  # K processes on the same storage; this one watches
-        ctx = mp.get_context("spawn")
-        missing = max(0, request.trials - _done(study))
-        procs = [
-            ctx.Process(target=_worker, args=(str(folder), request, space, i + 1))
-            for i in range(min(parallel, missing))
-        ]
-        for p in procs:
-            p.start()
-        try:
-            while any(p.is_alive() for p in procs):
-                if on_progress is not None:
-                    on_progress(_done(study), request.trials, "")
-                time.sleep(1.0)
-        finally:
-            for p in procs:
-                p.join()
-        if any(p.exitcode for p in procs):
-            raise TuneError(f"a tuning worker failed; the same command resumes {folder}")
+        _run_workers(study, folder, request, space, parallel, on_progress)
     return write_outputs(folder, open_study(folder, request), space)
 
 
+def _run_workers(
+    study: optuna.Study,
+    folder: Path,
+    request: TuneRequest,
+    space: dict[str, Space],
+    parallel: int,
+    on_progress: Callable[[int, int, str], None] | None,
+) -> None:
+    """``--parallel``: K worker processes on the study's storage; a worker that stops early
+    is a one-line :class:`TuneError` naming it and its cause (its own line, or the signal
+    that killed it)."""
+    ctx = mp.get_context("spawn")
+    missing = max(0, request.trials - _done(study))
+    workers = range(1, min(parallel, missing) + 1)
+    for i in workers:
+        _worker_error(folder, i).unlink(missing_ok=True)
+    procs = [ctx.Process(target=_worker, args=(str(folder), request, space, i)) for i in workers]
+    for p in procs:
+        p.start()
+    try:
+        while any(p.is_alive() for p in procs):
+            if on_progress is not None:
+                on_progress(_done(study), request.trials, "")
+            time.sleep(1.0)
+    finally:
+        for p in procs:
+            p.join()
+    causes = []
+    for i, p in zip(workers, procs):
+        if not p.exitcode:
+            continue
+        note = _worker_error(folder, i)
+        if note.exists():
+            causes.append(f"worker {i}: {note.read_text().strip()}")
+            note.unlink()
+        elif p.exitcode < 0:
+            sig = signal.Signals(-p.exitcode).name
+            hint = " (out of memory?)" if sig == "SIGKILL" else ""
+            causes.append(f"worker {i}: killed by {sig}{hint}")
+        else:
+            causes.append(f"worker {i}: exit status {p.exitcode}")
+    if causes:
+        raise TuneError(
+            f"tuning {'; '.join(causes)}; the same command resumes the study in {folder}"
+        )
+
+
 def _trial_line(trial: optuna.trial.FrozenTrial) -> str:
+    if TRIAL_ERROR in trial.user_attrs:
+        return f"trial {trial.number}: failed"
     value = "pruned" if trial.value is None else f"val {trial.value:.4f}"
     if trial.user_attrs.get(CONFIG_DEFAULT):
         value += " (the config's own values)"
@@ -396,19 +505,34 @@ def write_outputs(folder: Path, study: optuna.Study, space: dict[str, Space]) ->
 
     trials = [
         {"number": t.number, "state": t.state.name, "value": t.value, "params": t.params}
-        | {k: v for k, v in t.user_attrs.items() if k in ("diverged_round", CONFIG_DEFAULT)}
+        | {
+            k: v
+            for k, v in t.user_attrs.items()
+            if k in ("diverged_round", CONFIG_DEFAULT, TRIAL_ERROR)
+        }
         for t in study.trials
     ]
     (folder / "trials.json").write_text(json.dumps(trials, indent=1))
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    failed = failed_trials(study)
     if not complete:
-        raise TuneError(f"{folder}: no trial completed (all pruned or failed; see trials.json)")
+        raise NoTrialCompleted(
+            f"{folder}: no trial completed ({len(failed)} failed, the others pruned; "
+            "see trials.json)",
+            failed,
+        )
     best = study.best_trial
     lines = [f"# hyperfed tune: best of {len(complete)} completed trials, val acc {best.value:.4f}"]
     lines += _toml_fragment(best.params)
     (folder / "best.toml").write_text("\n".join(lines) + "\n")
     _plots(folder, study, len(space))
-    return {"best": best.params, "value": best.value, "completed": len(complete)}
+    return {
+        "best": best.params,
+        "value": best.value,
+        "completed": len(complete),
+        "failed": failed,
+        "ended": sum(_ended(t) for t in study.trials),
+    }
 
 
 def _toml_fragment(params: dict[str, Any]) -> list[str]:

@@ -337,3 +337,108 @@ def test_parallel_workers_share_one_budget_of_trials(
     tune_mod._worker(str(folder), request, space, worker=2)  # nothing left to claim
     torch.set_num_threads(threads)
     assert len(calls) == 4 and len(study.trials) == 5
+
+
+def test_a_trial_that_crashes_is_one_line_counted_failed_and_the_study_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 56: a bug inside a trial (not a user error) fails that trial only: the study runs
+    its other trials, ``trials.json`` and the console give the trial's number and one-line
+    cause, and the exit status is 0 while a trial completed, 1 when every one failed."""
+    from typer.testing import CliRunner
+
+    from hyperfed.cli import app
+
+    calls: list[float] = []
+
+    def flaky(cfg, report=None) -> float:  # type: ignore[no-untyped-def]
+        calls.append(cfg.local.lr)
+        if len(calls) == 2:  # the second trial (trial 1) crashes
+            raise RuntimeError("shape mismatch [1, 2]\nsecond line")
+        return 0.5
+
+    monkeypatch.setattr(tune_mod, "validation_curve", flaky)
+    folder = tmp_path / "study"
+    args = ["tune", "--out", str(folder), "--trials", "3"]
+    for s in TINY:
+        args += ["--set", s]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 3  # the study went on after the crash, and the crash counted
+    lines = result.output.splitlines()
+    failed = [line for line in lines if line.startswith("failed: trial 1: ")]
+    assert len(failed) == 1 and "Traceback" not in result.output, result.output
+    assert failed[0].startswith("failed: trial 1: RuntimeError: shape mismatch [1, 2] (at ")
+    assert "test_tune.py:" in failed[0]
+    assert f"tune {folder}: 3 trials ended, 1 failed" in result.output
+    trials = json.loads((folder / "trials.json").read_text())
+    assert [t["state"] for t in trials] == ["COMPLETE", "FAIL", "COMPLETE"]
+    assert trials[1]["error"].startswith("RuntimeError: shape mismatch [1, 2] (at ")
+    # the same command again runs nothing: the failed trial counts in the budget
+    calls.clear()
+    assert CliRunner().invoke(app, args).exit_code == 0 and calls == []
+
+    def broken(cfg, report=None) -> float:  # type: ignore[no-untyped-def]
+        raise ValueError("always")
+
+    monkeypatch.setattr(tune_mod, "validation_curve", broken)
+    args[2] = str(tmp_path / "all-failed")
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    assert [line.split(" (at ")[0] for line in lines if line.startswith("failed: ")] == [
+        f"failed: trial {i}: ValueError: always" for i in range(3)
+    ]
+    assert "no trial completed (3 failed, the others pruned" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_parallel_worker_that_stops_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped by a user error leaves its one line for the parent, which names the
+    worker and the cause (not just "a worker failed"); one killed by a signal is named by it.
+    The workers run in this process (a spawned one would not see the patched trial)."""
+    import torch
+
+    def no_data(cfg, report=None) -> float:  # type: ignore[no-untyped-def]
+        raise tune_mod.TuneError("fashion_mnist: train-images not found in [/x]")
+
+    class Worker:  # worker 1 is killed by SIGKILL; worker 2 runs _worker here, which raises
+        def __init__(self, target, args) -> None:  # type: ignore[no-untyped-def]
+            self.target, self.args, self.exitcode = target, args, 0
+
+        def start(self) -> None:
+            if self.args[3] == 1:
+                self.exitcode = -9
+                return
+            try:
+                self.target(*self.args)
+            except tune_mod.TuneError:
+                self.exitcode = 1
+
+        def is_alive(self) -> bool:
+            return False
+
+        def join(self) -> None:
+            pass
+
+    class Context:
+        Process = Worker
+
+    monkeypatch.setattr(tune_mod, "validation_curve", no_data)
+    monkeypatch.setattr(tune_mod.mp, "get_context", lambda kind: Context())
+    threads = torch.get_num_threads()  # a worker pins 1 thread; give this process its own back
+    folder = tmp_path / "study"
+    folder.mkdir()
+    (folder / ".worker-2.error").write_text("a stale line from an earlier study\n")
+    request = TuneRequest(None, TINY, trials=2)
+    study = tune_mod.open_study(folder, request)
+    with pytest.raises(tune_mod.TuneError) as stopped:
+        tune_mod._run_workers(study, folder, request, search_space("fedavg"), 2, None)
+    torch.set_num_threads(threads)
+    assert str(stopped.value) == (
+        "tuning worker 1: killed by SIGKILL (out of memory?); worker 2: fashion_mnist: "
+        f"train-images not found in [/x]; the same command resumes the study in {folder}"
+    )
+    assert not list(folder.glob(".worker-*"))
