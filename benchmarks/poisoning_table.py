@@ -29,8 +29,8 @@ METHODS = {  # name in the table -> (algorithm, defenses that apply)
     "FedAvg": ("fedavg", ("none", "clip", "median", "trimmed_mean", "multi_krum")),
     "FedPer": ("fedper", ("none", "clip", "median", "trimmed_mean", "multi_krum")),
     "Ditto": ("ditto", ("none", "clip", "median", "trimmed_mean", "multi_krum")),
-    "pFedHN": ("pfedhn", ("none", "clip")),
-    "MH-pFedHN": ("mh_pfedhn", ("none", "clip")),
+    "pFedHN": ("pfedhn", ("none", "clip", "median", "trimmed_mean", "multi_krum")),
+    "MH-pFedHN": ("mh_pfedhn", ("none", "clip", "median", "trimmed_mean", "multi_krum")),
     "DFedHP": ("dfedhp", ("none",)),
 }
 DEFENSES = {

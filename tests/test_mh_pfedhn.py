@@ -22,6 +22,7 @@ from hyperfed.config import load_config
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.codec import decode_update, encode_update
 from hyperfed.engine.local import SGDConfig
+from hyperfed.engine.robust import RobustRule
 from hyperfed.hparams import hparam_sources
 from hyperfed.hypernet.multihead import Head, MultiHeadHypernet, num_chunks
 from hyperfed.models.layout import FunctionalModel
@@ -439,6 +440,50 @@ def _theta_fn(server: MHPFedHNServer, c: int) -> Callable[[dict], torch.Tensor]:
     hn = server.hnet
     name = "global" if c < 0 else str(c)
     return lambda p: hand_theta(p, name, hn.key[c], hn.sizes[c], hn.chunk[c], server.hp.n_layers)
+
+
+@pytest.mark.parametrize("aggregation", ["median", "krum"])
+def test_robust_aggregation_combines_each_clients_own_hypernetwork_gradient(aggregation):
+    """defense.aggregation on MH-pFedHN (hn_update "mean"): the shared parameters (extractor,
+    head) step on the rule's combination of each client's own gradient, taken alone (autograd
+    by hand): per coordinate the median (the mean of the two middle values of four), or Krum's
+    pick (f = 1: the row nearest its 4 - 1 - 2 = 1 nearest neighbour); each embedding steps on
+    its own client's gradient / n, as under "mean". A 1e6-scaled reply cannot drag phi."""
+    lr, n = 0.1, 4
+    server = _tiny_server({c: 12 for c in range(n)}, MHPFedHNParams(**TINY), sgd_lr=lr)
+    server.ctx.aggregation = RobustRule(aggregation, byzantine=1)
+    p0 = _params(server.hnet)
+    msgs = server.configure_train(1, list(range(n)))
+    g = torch.Generator().manual_seed(0)
+    deltas = {c: 0.3 * torch.randn(12, generator=g, dtype=torch.float64) for c in msgs}
+    deltas[3] = deltas[3] * 1e6  # the hostile client
+    server.aggregate(1, {c: {"delta": d} for c, d in deltas.items()})
+
+    def own_grads(c: int) -> dict[str, torch.Tensor]:
+        leaves = {k: t.clone().requires_grad_(True) for k, t in p0.items()}
+        grads = torch.autograd.grad(
+            [_theta_fn(server, c)(leaves)], list(leaves.values()),
+            grad_outputs=[-deltas[c]], allow_unused=True,
+        )  # fmt: skip
+        return {k: torch.zeros_like(p0[k]) if t is None else t for k, t in zip(leaves, grads)}
+
+    grads = [own_grads(c) for c in range(n)]
+    shared = [k for k in p0 if not k.startswith("embeddings.")]
+    rows = torch.stack([torch.cat([gr[k].reshape(-1) for k in shared]) for gr in grads])
+    if aggregation == "median":
+        combined = torch.quantile(rows, 0.5, dim=0)  # linear interpolation: two middle values
+    else:
+        dist = torch.cdist(rows, rows) ** 2 + torch.diag(torch.full((n,), math.inf))
+        combined = rows[dist.min(dim=1).values.argmin()]
+        assert dist.min(dim=1).values.argmin() != 3
+    expected = dict(p0)
+    for k, piece in zip(shared, combined.split([p0[k].numel() for k in shared])):
+        expected[k] = p0[k] - lr * piece.view_as(p0[k])
+    for c in range(n):
+        expected[f"embeddings.{c}"] = p0[f"embeddings.{c}"] - lr * grads[c][f"embeddings.{c}"] / n
+    _assert_params(server.hnet, expected)
+    honest = rows[:3].abs().max(dim=0).values  # per coordinate, inside the honest clients' range
+    assert (combined.abs() <= honest + 1e-12).all() and rows[3].norm() > 1e4 * honest.norm()
 
 
 def test_tau_is_ceil_and_clients_of_similar_size_share_a_head():

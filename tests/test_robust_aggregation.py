@@ -171,7 +171,7 @@ def test_the_rule_reaches_every_method_that_averages_through_the_server(caplog):
     torch.testing.assert_close(sim.server.body, want)
     assert not torch.equal(sim.server.body, body0)
     with caplog.at_level(logging.WARNING, logger="hyperfed"):
-        Simulation(load_config(None, [*base, "algorithm.name=pfedhn"])).run()
+        Simulation(load_config(None, [*base, "algorithm.name=pfedlhn"])).run()
     assert "defense.aggregation = median: " in caplog.text
     assert "does not aggregate with FedAvg's rule" in caplog.text
 

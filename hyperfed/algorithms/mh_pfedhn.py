@@ -144,6 +144,7 @@ from hyperfed.engine.codec import check_update, decode_update, encode_update
 from hyperfed.engine.local import LossFn, cross_entropy_loss, per_parameter
 from hyperfed.engine.losses import kd_loss
 from hyperfed.engine.optim import adam
+from hyperfed.engine.robust import RobustRule, robust_average
 from hyperfed.errors import ConfigError
 from hyperfed.hparams import Space
 from hyperfed.hypernet.multihead import HEAD_MODES, MultiHeadHypernet
@@ -413,20 +414,59 @@ class MHPFedHNServer(Server):
             problem = check_update(reply, "global_delta", self.hnet.sizes[GLOBAL])
         return problem or super().check_reply(client_id, reply)
 
-    def _step(self, output_grads: dict[int, Tensor], adapting: bool = False) -> None:
+    def _step(
+        self,
+        output_grads: dict[int, Tensor],
+        adapting: bool = False,
+        robust: RobustRule | None = None,
+    ) -> None:
         """One Adam step: back-propagate through theta_c with ``output_grads[c]`` as
         d(loss)/d(theta_c). Parameters without a gradient (other clients' embeddings, heads
         not involved) are left untouched by Adam. ``adapting``: only the new clients'
-        parameters get a gradient, and their own optimizer steps them (§4.4)."""
+        parameters get a gradient, and their own optimizer steps them (§4.4). ``robust``:
+        the shared parameters' gradient is the rule's combination of the clients' own
+        gradients (:meth:`_robust_backward`) instead of their sum."""
         opt = self.adapt_opt if adapting else self.opt
         assert opt is not None
         only = self.adaptable_parameters() if adapting else None
         opt.zero_grad(set_to_none=True)
-        self.hnet.backward(output_grads, inputs=only)
+        if robust is None:
+            self.hnet.backward(output_grads, inputs=only)
+        else:
+            self._robust_backward(output_grads, robust)
         if self.hp.hn_grad_clip is not None:  # authors' clip_grad_norm_(hnet, 50)
             params = [p for group in opt.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, self.hp.hn_grad_clip)
         opt.step()
+
+    def _robust_backward(self, output_grads: dict[int, Tensor], rule: RobustRule) -> None:
+        """``defense.aggregation`` on the hypernetwork: each client's gradient of the shared
+        parameters (extractor, heads) is taken alone, one row per client, and the rows are
+        combined by the robust rule (median, trimmed mean, Krum: :mod:`hyperfed.engine.robust`)
+        in place of "mean"'s average; a client's own embedding keeps its own gradient, divided
+        by the number of clients as under "mean". Left in ``.grad`` for the optimizer."""
+        n = len(output_grads)
+        own = {c: self.hnet.embeddings[str(c)] for c in output_grads}
+        embeddings = {id(p) for p in self.hnet.embeddings.values()}
+        shared = [p for p in self.hnet.parameters() if id(p) not in embeddings]
+        rows, own_grads, touched = [], {}, torch.zeros(len(shared), dtype=torch.bool)
+        for c, g in output_grads.items():
+            self.opt.zero_grad(set_to_none=True)
+            self.hnet.backward({c: g})
+            grads = [p.grad for p in shared]
+            touched |= torch.tensor([t is not None for t in grads])
+            rows.append(
+                torch.cat([(t if t is not None else torch.zeros_like(p)).reshape(-1)
+                           for t, p in zip(grads, shared)])
+            )  # fmt: skip
+            own_grads[c] = None if own[c].grad is None else own[c].grad / n
+        self.opt.zero_grad(set_to_none=True)
+        combined = robust_average(torch.stack(rows), torch.ones(n), rule)
+        for p, piece, on in zip(shared, combined.split([p.numel() for p in shared]), touched):
+            if on:
+                p.grad = piece.view_as(p).clone()
+        for c, grad in own_grads.items():
+            own[c].grad = grad
 
     def aggregate(self, rnd: int, replies: dict[int, Payload]) -> None:
         if not replies:
@@ -437,20 +477,21 @@ class MHPFedHNServer(Server):
         # global model (Table 15; all of them by default): the others' global_delta is ignored
         users = set(self.global_users)
         holders = [c for c in replies if c in users]
+        rule = self.ctx.aggregation
         if self.hp.global_model and not adapting and holders:
-            m = {c: float(self.clients[c]["num_samples"]) for c in holders}
-            total = sum(m.values())
-            dw = sum(
-                m[c] / total * decode_update(replies[c], "global_delta", sizes[GLOBAL])
-                for c in holders
-            )
-            assert isinstance(dw, Tensor)
+            m = torch.tensor([float(self.clients[c]["num_samples"]) for c in holders])
+            deltas = [decode_update(replies[c], "global_delta", sizes[GLOBAL]) for c in holders]
+            dw = robust_average(torch.stack(deltas), m.to(deltas[0].device), rule)
+            self.ctx.averaged = True
             self._step({GLOBAL: -dw})
         # minus sign: the generated theta_i moves toward the trained theta~_i
         grads = {c: -decode_update(r, "delta", sizes[c]) for c, r in replies.items()}
         if self.hp.hn_update != "mean":  # alg1: one reply per call (client_by_client)
             for c, g in grads.items():
                 self._step({c: g}, adapting)
+        elif rule.aggregation != "mean" and not adapting and len(grads) > 1:
+            self.ctx.averaged = True  # the driver's "rule not used" warning does not apply
+            self._step(grads, robust=rule)
         else:
             self._step({c: g / len(grads) for c, g in grads.items()}, adapting)
 
