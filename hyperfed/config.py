@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -43,8 +44,23 @@ DEFAULT_CONFIG = Path(__file__).parent / "defaults" / "default.toml"
 __all__ = ["ConfigError", "ExperimentConfig", "load_config", "to_toml"]
 
 
+# Upper bounds of the integer settings that drive loops and allocations: far above any real
+# experiment (docs/config.md), far below a value that would run forever or exhaust memory
+# (rounds = 1e15 was accepted and looped for ever).
+MAX_ROUNDS = 1_000_000  # rounds, eval_every, checkpoint_every
+MAX_CLIENTS = 1_000_000  # clients.count, defense.byzantine, defense.krum_keep
+MAX_EPOCHS = 10_000  # local.epochs
+MAX_BATCH = 1_000_000  # local.batch_size
+MAX_WORKERS = 1024  # local.workers
+MAX_SAMPLES = 10**12  # dataset.subsample, defense.max_samples
+MAX_CLASSES = 1_000_000  # partition.classes_per_client
+# an algorithm's integer hyperparameters (iterations, widths, epochs): 0 to this
+MAX_HPARAM_INT = 10**9
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN / Inf are refused for every float setting (lr = nan, participation = inf)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DatasetConfig(_Section):
@@ -55,7 +71,8 @@ class DatasetConfig(_Section):
     # keyword options of the dataset's loader, e.g. {image_size = 32} for folder,
     # {label_column = "fine_label"} for hf_disk, {num_users = 50} for synthetic
     options: dict[str, Any] | None = None
-    subsample: int | None = Field(None, ge=10)  # keep a random subset of this many samples
+    # keep a random subset of this many samples
+    subsample: int | None = Field(None, ge=10, le=MAX_SAMPLES)
 
     @field_validator("name")
     @classmethod
@@ -84,7 +101,7 @@ PARTITION_NAMES = ("quantity", "dirichlet", "pathological", "iid", "natural")
 class PartitionConfig(_Section):
     # one of PARTITION_NAMES, or "flwr:<Partitioner>" for a flwr-datasets partitioner
     name: str = "quantity"
-    classes_per_client: int = Field(2, ge=1)
+    classes_per_client: int = Field(2, ge=1, le=MAX_CLASSES)
     alpha: float = Field(0.5, gt=0)
     test_fraction: float = Field(0.25, gt=0, lt=1)
     val_fraction: float = Field(0.0, ge=0, lt=1)
@@ -114,7 +131,7 @@ class PartitionConfig(_Section):
 
 
 class ClientsConfig(_Section):
-    count: int = Field(10, ge=1)
+    count: int = Field(10, ge=1, le=MAX_CLIENTS)
     # one name, or a mix; a list as long as ``count`` assigns each client its model explicitly
     models: str | list[str] = "lenet"
     # how a mix is spread: client i gets models[i % len] (round_robin), or a seeded random draw
@@ -192,8 +209,8 @@ class AlgorithmConfig(BaseModel):
 class LocalConfig(_Section):
     """Local SGD; unset values take the algorithm's paper defaults."""
 
-    epochs: int | None = Field(None, ge=1)
-    batch_size: int = Field(64, ge=1)
+    epochs: int | None = Field(None, ge=1, le=MAX_EPOCHS)
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH)
     lr: float | None = Field(None, gt=0)
     momentum: float | None = Field(None, ge=0, lt=1)
     weight_decay: float | None = Field(None, ge=0)
@@ -223,11 +240,13 @@ class LocalConfig(_Section):
     @field_validator("workers", mode="before")
     @classmethod
     def _workers(cls, v: Any) -> int | str:
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        if v == "auto" or (
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_WORKERS
+        ):
             return v  # type: ignore[no-any-return]
-        if isinstance(v, str) and v.isdigit() and int(v) >= 1:
+        if isinstance(v, str) and v.isdigit() and 1 <= int(v) <= MAX_WORKERS:
             return int(v)
-        raise ValueError("allowed: auto or a whole number >= 1")
+        raise ValueError(f"allowed: auto or a whole number from 1 to {MAX_WORKERS}")
 
 
 class DefenseConfig(_Section):
@@ -245,7 +264,7 @@ class DefenseConfig(_Section):
     # the median norm of the round's accepted updates; off: none
     clip_update_norm: float | Literal["median", "off"] = "off"
     # the largest sample count a client may declare at join (its FedAvg weight)
-    max_samples: int = Field(10**9, ge=1)
+    max_samples: int = Field(10**9, ge=1, le=MAX_SAMPLES)
     # how the server combines the clients' models where a method uses FedAvg's rule
     # (Server.average_reply): mean (FedAvg's weighted mean), median / trimmed_mean
     # (coordinate-wise, Yin et al. 2018), krum / multi_krum (Blanchard et al. 2017)
@@ -253,7 +272,7 @@ class DefenseConfig(_Section):
     # trimmed_mean: the fraction beta dropped at each end, per coordinate
     trim_fraction: float = Field(0.1, ge=0, lt=0.5)
     # krum / multi_krum: f, the number of Byzantine clients assumed (n - f - 2 neighbours)
-    byzantine: int = Field(1, ge=0)
+    byzantine: int = Field(1, ge=0, le=MAX_CLIENTS)
     # multi_krum: m, how many lowest-score models are averaged; auto: n - f of the round
     krum_keep: int | Literal["auto"] = "auto"
 
@@ -269,8 +288,8 @@ class DefenseConfig(_Section):
     @field_validator("krum_keep")
     @classmethod
     def _keep(cls, v: int | str) -> int | str:
-        if isinstance(v, int) and (isinstance(v, bool) or v < 1):
-            raise ValueError("must be a whole number >= 1 or auto")
+        if isinstance(v, int) and (isinstance(v, bool) or not 1 <= v <= MAX_CLIENTS):
+            raise ValueError(f"must be a whole number from 1 to {MAX_CLIENTS} or auto")
         return v
 
     def rule(self) -> RobustRule:
@@ -324,10 +343,10 @@ class ExperimentConfig(_Section):
     clients: ClientsConfig = ClientsConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     local: LocalConfig = LocalConfig()
-    rounds: int = Field(20, ge=1)
+    rounds: int = Field(20, ge=1, le=MAX_ROUNDS)
     participation: float = Field(1.0, gt=0, le=1)
-    eval_every: int = Field(5, ge=1)
-    checkpoint_every: int | None = Field(None, ge=1)
+    eval_every: int = Field(5, ge=1, le=MAX_ROUNDS)
+    checkpoint_every: int | None = Field(None, ge=1, le=MAX_ROUNDS)
     # numpy's seeded generators take no negative seeds; torch's take < 2**64, and seeds derived
     # from this one (seed * 1_000_003 + ...) must stay below that: 32 bits, as numpy's legacy
     seed: int = Field(0, ge=0, le=SEED_MAX)
@@ -375,6 +394,17 @@ class ExperimentConfig(_Section):
             raise ConfigError(f"algorithm: {e}") from None
         for f in dataclasses.fields(hp):
             value = getattr(hp, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(
+                    f"algorithm.{f.name}: must be a finite number (not nan or inf; got {value!r})"
+                )
+            # counts, sizes, iterations, epochs: no method gives a negative one a meaning
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if is_int and not 0 <= value <= MAX_HPARAM_INT:
+                raise ConfigError(
+                    f"algorithm.{f.name}: allowed: a whole number from 0 to {MAX_HPARAM_INT} "
+                    f"(got {value})"
+                )
             is_rate = f.name == "lr" or f.name.endswith("_lr")
             if is_rate and isinstance(value, int | float) and not value > 0:
                 raise ConfigError(
@@ -394,18 +424,55 @@ def _section_keys(loc: tuple[Any, ...]) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+def _field(loc: tuple[Any, ...]) -> Any:
+    """The pydantic field at ``loc`` (None where there is none: an extra key, a list item)."""
+    model: Any = ExperimentConfig
+    field = None
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        model = field.annotation
+    return field
+
+
+def _allowed_range(loc: tuple[Any, ...]) -> str | None:
+    """The range of an integer field with both bounds, in words (None for any other field)."""
+    field = _field(loc)
+    if field is None or field.annotation not in (int, int | None):
+        return None
+    low = high = None
+    for m in field.metadata:
+        low = getattr(m, "ge", low)
+        high = getattr(m, "le", high)
+    if low is None or high is None:
+        return None
+    return f"a whole number from {low} to {high}"
+
+
+# pydantic's error types of a number out of a field's range, or an integer too large to parse
+_RANGE_ERRORS = ("greater_than_equal", "less_than_equal", "int_parsing_size", "int_from_float")
+
+
 def _one_line(err: ValidationError) -> str:
     e = err.errors()[0]
     key = ".".join(str(p) for p in e["loc"]) or "config"
     msg = e["msg"].removeprefix("Value error, ")
-    if e["type"] == "extra_forbidden":
+    bounds = _allowed_range(tuple(e["loc"])) if e["type"] in _RANGE_ERRORS else None
+    if bounds is not None:
+        msg = f"allowed: {bounds}"
+    elif e["type"] == "finite_number":
+        msg = "must be a finite number (not nan or inf)"
+    elif e["type"] == "int_parsing_size":  # beyond 64 bits, in a field without a declared range
+        msg = "a whole number far too large"
+    elif e["type"] == "extra_forbidden":
         allowed = _section_keys(tuple(e["loc"]))
         close = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=3)
         msg = "unknown key"
         if close:
             msg += f"; did you mean {' or '.join(close)}?"
         if allowed:
-            msg += f" allowed: {', '.join(allowed)}"
+            msg += f"{'' if close else ';'} allowed: {', '.join(allowed)}"
     elif e["type"] == "literal_error":
         msg = msg.replace("Input should be", "allowed:")
     got = e.get("input")
@@ -431,6 +498,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set rounds=10")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(p.strip() for p in parts):
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set rounds=10")
         node = raw
         for p in parts[:-1]:
             child = node.setdefault(p, {})
@@ -443,6 +512,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"config file {path} is a directory; --config expects a TOML or YAML file"
+        )
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"config file {path} is not a regular file; give a TOML or YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
     try:

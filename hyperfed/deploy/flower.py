@@ -45,7 +45,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,7 @@ from hyperfed.deploy.launch import (
     RC_RESUME,
     RC_ROUND_TIMEOUT,
     RC_RUN_DIR,
+    check_deployable,
     experiment_from_run_config,
     node_groups,
     parse_partition_ids,
@@ -97,7 +98,12 @@ from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundResult
 from hyperfed.runtime.federation import Federation
 from hyperfed.runtime.gossip import Gossip
-from hyperfed.runtime.rundir import RunDir, atomic_write_bytes
+from hyperfed.runtime.rundir import (
+    CheckpointWriteError,
+    RunDir,
+    atomic_torch_save,
+    atomic_write_bytes,
+)
 
 log = logging.getLogger("hyperfed.flower")
 
@@ -292,7 +298,9 @@ def _state_from_record(record: ArrayRecord, device: torch.device) -> dict[str, T
 def config_from_run_config(run_config: dict[str, Any]) -> ExperimentConfig:
     """The experiment config carried in the run config, one key per setting (validated like
     ``hyperfed run``; ``flwr run --run-config "rounds=50"`` overrides one)."""
-    return config_from_dict(experiment_from_run_config(run_config))
+    cfg = config_from_dict(experiment_from_run_config(run_config))
+    check_deployable(cfg)  # flwr run --run-config "attack.kind='scale'": refused here too
+    return cfg
 
 
 def _check_node_config(node_config: Mapping[str, Any]) -> None:
@@ -907,6 +915,36 @@ def counts_fields(counts: EvalCounts) -> tuple[Tensor, Tensor, Tensor]:
     return counts.correct, counts.total, counts.loss_sum
 
 
+class ServerRunDir(RunDir):
+    """The ServerApp's run directory: a checkpoint it cannot write (a full disk, a quota, an
+    I/O error) is one logged line, the previous checkpoint is kept and the federation goes on
+    (the nodes are waiting for it); ``on_failure`` is told, so that the nodes keep the state
+    files of the checkpoint that is on disk."""
+
+    def __init__(self, path: str | Path, on_failure: Callable[[], None]) -> None:
+        super().__init__(path)
+        self.on_failure = on_failure
+
+    def save_checkpoint(self, state: dict[str, Any]) -> int:
+        try:
+            return super().save_checkpoint(state)
+        except CheckpointWriteError as e:
+            log.error("%s; the run goes on", e)
+            self.on_failure()
+            return 0
+
+
+def save_server_state(path: Path, state: dict[str, Any]) -> bool:
+    """Write the server's final state (``server_state.pt``) atomically; a write failure (a
+    full disk) is one logged line and the previous file is kept. Whether it was written."""
+    try:
+        atomic_torch_save(path, state, "server state")
+    except CheckpointWriteError as e:
+        log.error("%s", e)
+        return False
+    return True
+
+
 class Deployment:
     """The server side of a run: the algorithm's server role, run by the round driver
     (:mod:`hyperfed.runtime.driver`), and the Flower nodes it reaches -- this class is the
@@ -932,7 +970,8 @@ class Deployment:
         self.round_timeout = float(run_config.get(RC_ROUND_TIMEOUT, 600.0))
         stamp = time.strftime("%Y%m%d-%H%M%S")
         run_dir = str(run_config.get(RC_RUN_DIR, "") or f"runs/{stamp}-flower-{cfg.algorithm.name}")
-        self.run_dir = RunDir(run_dir)
+        self.run_dir = ServerRunDir(run_dir, self._checkpoint_failed)
+        self.saved_checkpoint = 0  # round of the last checkpoint on disk
         self.node_of: dict[int, int] = {}  # client id -> Flower node id
         self.clients_of: dict[int, list[int]] = {}  # Flower node id -> the clients it serves
         self.grouped: set[int] = set()  # nodes that joined naming partition-ids: group messages
@@ -1250,6 +1289,10 @@ class Deployment:
             driver_log.removeHandler(forward)
             handler.close()
 
+    def _checkpoint_failed(self) -> None:
+        # the checkpoint on disk is still the previous one: the nodes keep its state files
+        self.last_checkpoint = self.saved_checkpoint
+
     def _run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         joins = self.join()
@@ -1264,6 +1307,7 @@ class Deployment:
             driver.totals["bytes_up"] += sum(payload_bytes(p) for p in joins.values())
 
         def checkpoint(rnd: int) -> dict[str, Any]:
+            self.saved_checkpoint = self.last_checkpoint
             self.last_checkpoint = rnd  # nodes keep their state files from here on
             return driver.state_dict(rnd)
 
@@ -1291,7 +1335,7 @@ class Deployment:
         self.totals = driver.totals
         # the server's final state (not a simulator checkpoint: the client state is on the nodes)
         state = {"round": cfg.rounds, "server": server.state_dict(), "totals": dict(self.totals)}
-        atomic_write_bytes(self.run_dir.path / SERVER_STATE, lambda f: torch.save(state, f))
+        save_server_state(self.run_dir.path / SERVER_STATE, state)
         from hyperfed.report import write_summary
 
         write_summary(self.run_dir.path)

@@ -58,12 +58,28 @@ class DeployError(RuntimeError):
     """A deployment that could not start or did not complete (message says why)."""
 
 
+def check_deployable(cfg: ExperimentConfig) -> None:
+    """Refuse what only the simulator does: the poisoning harness (``[attack]``) changes the
+    simulated clients' replies; a deployment's clients are real nodes, so it would be
+    silently ignored there. Raises a one-line :class:`~hyperfed.config.ConfigError`."""
+    from hyperfed.config import ConfigError
+
+    if cfg.attack.kind != "none":
+        raise ConfigError(
+            f"attack.kind = {cfg.attack.kind}: the poisoning harness ([attack]) is "
+            "simulation-only (hyperfed run); a Flower deployment's clients are real nodes. "
+            "Remove [attack] (or set attack.kind = none) to deploy"
+        )
+
+
 def flower_algorithm(cfg: ExperimentConfig) -> Algorithm:
     """The config's algorithm; Flower runs every kind: a centralized one with a server that
-    aggregates, a decentralized one with a server that only relays neighbours' payloads."""
+    aggregates, a decentralized one with a server that only relays neighbours' payloads.
+    A config only the simulator can run (:func:`check_deployable`) is refused."""
     from hyperfed.algorithms import get_algorithm
     from hyperfed.runtime.federation import check_architectures
 
+    check_deployable(cfg)
     algorithm = get_algorithm(cfg.algorithm.name)
     check_architectures(algorithm, cfg.clients.assignment(cfg.seed))
     return algorithm

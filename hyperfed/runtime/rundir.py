@@ -107,14 +107,16 @@ class _HashingWriter:
     """A write-only stream that hashes and counts what passes through to ``file``; keeps the
     OSError of a failed write (torch.save reports it as a RuntimeError)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hashing: bool = True) -> None:
         self.file: Any = None
         self.sha256 = hashlib.sha256()
+        self.hashing = hashing
         self.size = 0
         self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
-        self.sha256.update(data)
+        if self.hashing:
+            self.sha256.update(data)
         self.size += len(data)
         try:
             return int(self.file.write(data))
@@ -141,6 +143,37 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _write_failure(e: BaseException, stream_error: OSError | None) -> str | None:
+    """Why writing a file failed, if ``e`` is a write failure (a full disk, a quota, an I/O
+    error: torch.save turns the stream's OSError into a RuntimeError, "unexpected pos" or
+    "file write failed"); None for anything else (a bug, to keep its traceback)."""
+    error = stream_error or (e if isinstance(e, OSError) else None)
+    if error is None and "write failed" not in str(e) and "unexpected pos" not in str(e):
+        return None
+    return (error.strerror or str(error)) if error is not None else _first_line(e)
+
+
+def atomic_torch_save(path: Path, obj: Any, what: str) -> int:
+    """``torch.save(obj)`` into ``path`` atomically (:func:`atomic_write_bytes`), streamed;
+    returns the bytes written. A write failure (a full disk) raises a one-line
+    :class:`CheckpointWriteError` naming ``what``; the previous file is left as it was."""
+    stream = _HashingWriter(hashing=False)
+
+    def write(f: Any) -> None:
+        stream.file = f
+        torch.save(obj, stream)  # type: ignore[arg-type]  # write() and flush() suffice
+
+    try:
+        atomic_write_bytes(path, write)
+    except (OSError, RuntimeError) as e:
+        why = _write_failure(e, stream.error)
+        if why is None:
+            raise
+        kept = f"the previous {what} is kept" if path.exists() else f"no {what} written yet"
+        raise CheckpointWriteError(f"cannot write the {what} {path} ({why}); {kept}") from e
+    return stream.size
 
 
 def atomic_write_bytes(path: Path, write: Any) -> None:
@@ -239,10 +272,9 @@ class RunDir:
             # a full disk: torch.save turns the stream's OSError into a RuntimeError
             # ("unexpected pos", "file write failed"); the temp file is gone, the old
             # checkpoint untouched
-            error = stream.error or (e if isinstance(e, OSError) else None)
-            if error is None and "write failed" not in str(e) and "unexpected pos" not in str(e):
+            why = _write_failure(e, stream.error)
+            if why is None:
                 raise  # not a write failure: a bug, with its traceback
-            why = (error.strerror or str(error)) if error is not None else _first_line(e)
             kept = (
                 "the previous checkpoint is kept"
                 if (self.path / CHECKPOINT).exists()
