@@ -603,10 +603,16 @@ def report(
     runs: Annotated[
         list[Path], typer.Argument(help="Run directories, or sweep folders (every run in them).")
     ],
-    out: Annotated[Path, typer.Option(help="Folder for report.md and the plots.")] = Path("report"),
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Folder for report.md and the plots (default: <first input>/report)."),
+    ] = None,
     target: Annotated[
         float | None, typer.Option(help="Also report rounds to reach this mean accuracy (0-1).")
     ] = None,
+    force: Annotated[
+        bool, typer.Option(help="Replace the report an earlier call wrote in the same folder.")
+    ] = False,
     keep: Annotated[
         Path | None,
         typer.Option(
@@ -615,8 +621,9 @@ def report(
         ),
     ] = None,
 ) -> None:
-    """Compare runs: a markdown table and accuracy plots (vs round, bytes, FLOPs)."""
-    from hyperfed.report import keep_summaries, markdown_table, run_summary, write_report
+    """Compare runs: mean ± std over seeds, a row per run, and accuracy plots (vs round, bytes,
+    FLOPs), written to <first input>/report/ unless --out says where."""
+    from hyperfed.report import keep_summaries, report_text, run_summary, write_report
     from hyperfed.sweep import sweep_runs
 
     missing = [str(r) for r in runs if not r.exists()]
@@ -627,18 +634,24 @@ def report(
             fail("--keep copies one folder's runs: give exactly one run directory or folder")
         kept = keep_summaries(runs[0], keep)
         console.print(f"kept {len(kept)} files in {keep}/")
+    runs_given = list(runs)
     runs = sweep_runs(runs) or runs
     if target is not None and not 0 < target <= 1:
         fail(f"--target {target}: a mean accuracy between 0 and 1 (e.g. 0.8 for 80%)")
+    if out is None:  # inside the first input: reports of other folders never collide
+        first = runs_given[0]
+        out = (first if first.is_dir() else first.parent) / "report"
     if out.exists() and not out.is_dir():
         fail(f"--out {out} is a file; choose a folder for the report")
+    if (out / "report.md").exists() and not force:
+        fail(f"{out} already holds a report; --force replaces it, or choose another --out")
     try:
         path = write_report(runs, out, target)
-        console.print(markdown_table([run_summary(r) for r in runs], target), soft_wrap=True)
+        say(report_text([run_summary(r) for r in runs], target))
     except HyperfedError as e:
         fail(str(e))
         return
-    console.print(f"wrote {path} and plots in {out}/")
+    say(f"wrote {path} and plots in {out}/")
 
 
 @app.command()

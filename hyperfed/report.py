@@ -467,21 +467,31 @@ def plot_label_distribution(
     return m
 
 
+def report_text(summaries: list[dict[str, Any]], target: float | None = None) -> str:
+    """The report's tables as markdown: mean ± std over seeds (where a setting has more than
+    one seed), then one row per run, then the metric note (``report.md`` without its plots;
+    what ``hyperfed report`` prints)."""
+    text = ""
+    groups = group_by_seed(summaries)
+    if any(len(g["runs"]) > 1 for g in groups):
+        text += "## Over seeds\n\n" + seed_table(groups) + "\n"
+        text += "Mean ± std (population) over the runs that differ only by seed.\n\n## Runs\n\n"
+    text += markdown_table(summaries, target) + "\n"
+    return text + METRIC_NOTE + "\n"
+
+
 def write_report(
     run_dirs: Sequence[str | Path], out: str | Path, target: float | None = None
 ) -> Path:
+    """``report.md`` (:func:`report_text` and the plots) in ``out``; returns its path."""
     summaries = [run_summary(p) for p in run_dirs]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plots = plot_runs(summaries, out)
-    text = "# hyperfed report\n\n"
     groups = group_by_seed(summaries)
     if any(len(g["runs"]) > 1 for g in groups):
         plots.insert(0, plot_groups(groups, out))
-        text += "## Over seeds\n\n" + seed_table(groups) + "\n"
-        text += "Mean ± std (population) over the runs that differ only by seed.\n\n## Runs\n\n"
-    text += markdown_table(summaries, target) + "\n"
-    text += METRIC_NOTE + "\n\n"
+    text = "# hyperfed report\n\n" + report_text(summaries, target) + "\n"
     text += "".join(f"![{p.stem}]({p.name})\n" for p in plots)
     report = out / "report.md"
     report.write_text(text)

@@ -4,6 +4,7 @@ std over seeds are the runs' own final figures."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -219,3 +220,62 @@ def test_failure_and_plain_lines_print_user_text_literally(
     err = capsys.readouterr().err
     assert "failed: seed=0: not found in [/data, /data/x]; [bold]no[/bold]\n" in err
     assert "resume [/out]\n" in err
+
+
+def _hand_run(path: Path, seed: int, accs: list[float]) -> None:
+    """A run directory written by hand: FedAvg, ``seed``, one record per round."""
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text(f'seed = {seed}\n[algorithm]\nname = "fedavg"\n')
+    rows = [
+        {
+            "round": r,
+            "scores": "global",
+            "mean_acc": a,
+            "weighted_acc": a,
+            "min_acc": a,
+            "max_acc": a,
+            "std_acc": 0.0,
+            "num_clients": 2,
+        }
+        for r, a in enumerate(accs, 1)
+    ]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_report_prints_the_over_seeds_table_and_writes_inside_its_first_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 56 item 5: the console shows mean ± std over seeds (seeds 0.6 and 0.8 at the
+    last round: 0.7000 ± 0.1000, population std), not only the per-run rows; the report goes
+    to ``<first input>/report/`` (not the current folder) and is replaced only with --force."""
+    from hyperfed.cli import app
+
+    sweep = tmp_path / "s"
+    _hand_run(sweep / "seed=0", 0, [0.5, 0.6])
+    _hand_run(sweep / "seed=1", 1, [0.7, 0.8])
+    monkeypatch.chdir(tmp_path)
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, ["report", str(sweep)], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    over = [line for line in lines if line.startswith("| fedavg | global |")]
+    assert len(over) == 1 and "| 2 (0, 1) | 0.7000 ± 0.1000 | 0.7000 ± 0.1000 |" in over[0]
+    assert lines.index("## Over seeds") < lines.index("## Runs")
+    assert sum(line.startswith("| seed=") for line in lines) == 2  # and the per-run rows
+    report = sweep / "report" / "report.md"
+    assert report.exists() and not (tmp_path / "report").exists()
+    assert f"wrote {report} and plots in {sweep / 'report'}/" in lines
+    before = report.read_text()
+    # an earlier report is not replaced without --force: one line, exit 2, the file as it was
+    _hand_run(sweep / "seed=2", 2, [0.9, 0.9])
+    again = CliRunner().invoke(app, ["report", str(sweep)])
+    assert again.exit_code == 2, again.output
+    assert " ".join(again.output.split()) == (
+        f"error: {sweep / 'report'} already holds a report; --force replaces it, or choose "
+        "another --out"
+    )
+    assert report.read_text() == before
+    forced = CliRunner().invoke(app, ["report", str(sweep), "--force"], env={"COLUMNS": "250"})
+    assert forced.exit_code == 0, forced.output
+    assert "| 3 (0, 1, 2) |" in report.read_text()
