@@ -797,6 +797,11 @@ def _load_synthetic(
 # --------------------------------------------------------------------------------------------
 
 OWN_DATA = ("folder", "npz", "hf_disk")
+# your own data: at most this many classes (integer labels are class ids 0..max) and this
+# image side (dataset.options.image_size); far above any real dataset, far below what
+# exhausts memory (a label of 10^12 asked for 10^12 classes)
+MAX_CLASSES = 1_000_000
+MAX_IMAGE_SIDE = 8192
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 # columns looked for when hf_disk's image_column / label_column / client_column are not given
 _HF_IMAGE_COLUMNS = ("image", "img", "pixel_values", "pixels", "x")
@@ -829,8 +834,10 @@ def _image_size(what: str, image_size: int | Sequence[int] | None) -> tuple[int,
                 f"{what}: image_size must be one int or [height, width], got {image_size}"
             )
         hw = (hw_list[0], hw_list[1])
-    if min(hw) < 1:
-        raise DataError(f"{what}: image_size must be positive, got {image_size}")
+    if min(hw) < 1 or max(hw) > MAX_IMAGE_SIDE:
+        raise DataError(
+            f"{what}: image_size must be between 1 and {MAX_IMAGE_SIDE} pixels, got {image_size}"
+        )
     return hw
 
 
@@ -874,9 +881,12 @@ def _as_samples(what: str, key: str, x: np.ndarray) -> np.ndarray:
     last axis is 1, 3 or 4 and its second is not 1 or 3; integers 0..255 or floats in [0, 1]);
     vectors ``[N, D]`` as float32."""
     x = np.asarray(x)
-    if x.dtype == object or not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
-        raise DataError(f"{what}: {key} has dtype {x.dtype}; expected numbers")
+    real = np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)
+    if x.dtype == object or not (real or x.dtype == np.bool_):
+        raise DataError(f"{what}: {key} has dtype {x.dtype}; expected real numbers")
     if x.ndim == 2:
+        if x.size and not bool(np.all(np.isfinite(x))):
+            raise DataError(f"{what}: {key} holds NaN or Inf values; expected finite numbers")
         return np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim == 3:
         x = x[:, None]
@@ -911,6 +921,10 @@ def _encode_labels(
     both = np.concatenate([np.asarray(y_train).reshape(-1), np.asarray(y_test).reshape(-1)])
     if both.size == 0:
         raise DataError(f"{what}: no samples")
+    if both.dtype.kind == "c" or both.dtype == object:
+        raise DataError(f"{what}: labels have dtype {both.dtype}; expected integers or strings")
+    if both.dtype.kind == "f" and not bool(np.all(np.isfinite(both))):
+        raise DataError(f"{what}: labels hold NaN or Inf; give every sample a label")
     integral = np.issubdtype(both.dtype, np.integer) or (
         np.issubdtype(both.dtype, np.floating) and bool(np.all(np.mod(both, 1) == 0))
     )
@@ -921,12 +935,28 @@ def _encode_labels(
         values, codes = np.unique(both, return_inverse=True)
         found = len(values)
         codes = codes.astype(np.int64).reshape(-1)
+    if found > MAX_CLASSES or (num_classes is not None and num_classes > MAX_CLASSES):
+        raise DataError(
+            f"{what}: the labels ask for {max(found, num_classes or 0)} classes (integer labels "
+            f"are class ids 0..max); at most {MAX_CLASSES}: number the classes 0..K-1"
+        )
     if num_classes is None:
         num_classes = found
     elif num_classes < found:
         raise DataError(f"{what}: num_classes={num_classes} but the labels need {found}")
     n = int(np.asarray(y_train).size)
     return codes[:n], codes[n:], int(num_classes)
+
+
+def _as_labels(what: str, key: str, y: np.ndarray) -> np.ndarray:
+    """One label per sample: ``[N]`` (or ``[N, 1]``), not one-hot rows."""
+    y = np.asarray(y)
+    if y.ndim > 2 or (y.ndim == 2 and y.shape[1] != 1):
+        raise DataError(
+            f"{what}: {key} has shape {y.shape}; expected one label per sample, shape [N] "
+            "(one-hot rows: y.argmax(1))"
+        )
+    return y.reshape(-1)
 
 
 def _own_dataset(
@@ -943,14 +973,14 @@ def _own_dataset(
     """Check and convert user arrays; ``clients`` (one id per pooled sample, train then test)
     becomes ``natural_partition`` (one part per distinct id, in sorted id order)."""
     x_train = _as_samples(what, "x", x_train)
-    y_train = np.asarray(y_train).reshape(-1)
+    y_train = _as_labels(what, "y", y_train)
     if x_train.shape[0] != y_train.shape[0]:
         raise DataError(f"{what}: x has {x_train.shape[0]} samples but y has {y_train.shape[0]}")
     if x_test is None:  # hyperfed pools train and test before partitioning: none is needed
         x_test, y_test = x_train[:0], y_train[:0]
     else:
         x_test = _as_samples(what, "x_test", x_test)
-        y_test = np.asarray(y_test).reshape(-1)
+        y_test = _as_labels(what, "y_test", np.asarray(y_test))
         if x_test.shape[0] != y_test.shape[0]:
             raise DataError(
                 f"{what}: x_test has {x_test.shape[0]} samples but y_test has {y_test.shape[0]}"
@@ -1009,12 +1039,14 @@ def _load_npz(
     keys: tuple[str, ...] = ("x", "y", "x_test", "y_test", "client", "client_test")
     keys += ("split", "split_test", "mean", "std")
     arrays: dict[str, np.ndarray] = {}
+    found_keys: list[str] = []  # what the file holds, to say when x or y is missing
     try:
         if p.is_dir():
             for key in keys:
                 if (p / f"{key}.npy").is_file():
                     arrays[key] = np.load(p / f"{key}.npy", allow_pickle=False)
             where = f"{p}/"
+            found_keys = sorted(f.stem for f in p.glob("*.npy"))
         else:
             z = np.load(p, allow_pickle=False)
             if not isinstance(z, np.lib.npyio.NpzFile):
@@ -1024,6 +1056,7 @@ def _load_npz(
                 )
             with z:
                 arrays = {key: z[key] for key in keys if key in z.files}
+                found_keys = list(z.files)
             where = str(p)
     except DataError:
         raise
@@ -1034,7 +1067,7 @@ def _load_npz(
         ) from exc
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
-        found = ", ".join(arrays) or "nothing"
+        found = ", ".join(found_keys) or "nothing"
         raise DataError(
             f"npz: {where} lacks {' and '.join(missing)} (found {found}); save it with "
             "np.savez(FILE, x=images_or_vectors, y=labels)"
