@@ -26,9 +26,11 @@ from hyperfed.algorithms.fedproto import (
     FedProtoServer,
     proto_loss,
 )
+from hyperfed.config import load_config
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import SGDConfig, evaluate_clients
+from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.runtime.simulate import Simulation
 
 CPU = torch.device("cpu")
 F64 = torch.float64
@@ -184,6 +186,20 @@ def test_uploaded_prototypes_are_class_means_of_the_trained_representation(
             assert (stale[y == j].mean(0) - mean).abs().max() > 1e-4
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_client_flops_include_the_prototype_pass(epochs: int) -> None:
+    """The round's client FLOPs are local training plus the prototype pass (Eq. 3, one forward
+    of the trained model over each training sample, once a round whatever E), counted by hand
+    from the layer sizes of Linear(3, 4) - ReLU - Linear(4, 3), 2 FLOPs a multiply-add:
+    forward 2 * (3*4 + 4*3) = 48 a sample; backward 72 (dL/dW2, dL/dh and dL/dW1, 24 each; none
+    for the input). Training a sample for one epoch: 48 + 72 = 120. Each client holds 4 samples
+    (one batch of 4): E = 1 gives 2 * 4 * (120 + 48) = 1344 (1.4x the training alone: the pass
+    left outside the meter counted 960); E = 2 gives 2 * 4 * (2 * 120 + 48) = 2304."""
+    with FlopMeter() as meter:
+        fit(0.7, 0.5, epochs=epochs, vectorize=False)
+    assert meter.total == 2 * 4 * (epochs * 120 + 48)
+
+
 def _reply(classes: list[int], protos: Tensor, counts: list[float]) -> dict[str, Tensor]:
     return {
         "proto_classes": torch.tensor(classes, dtype=torch.int32),
@@ -258,3 +274,35 @@ def test_client_is_evaluated_with_its_own_trained_model_and_classifier() -> None
         x, y = data.batch(data.test_idx[c])
         _, logits = mlp_forward(new_state["theta"][c], x, SIZES)
         assert int(ok[c]) == int((logits.argmax(1) == y).sum())
+
+
+def test_bytes_down_are_the_whole_prototype_table_and_up_the_held_classes() -> None:
+    """Both directions of the wire, counted by the round driver. Digits (10 classes), the zoo's
+    MLP 64 -> 128 -> 64 -> 10 (its representation, the input of the last Linear, is d = 64
+    wide), 2 classes a client:
+    down, every class's prototype and the mask, float32: (10 * 64 + 10) * 4 = 2600 bytes a
+    client; up, the 2 held classes as (int32 id, float32 [64] prototype, float32 count):
+    2 * (64 + 2) * 4 = 528 bytes (down is ~5x up). Before round 1 each client sent n_k and d
+    (int64): 2 * 8 bytes."""
+    cfg = load_config(
+        None,
+        [
+            "device=cpu",
+            "dataset.name=digits",
+            "dataset.subsample=200",
+            "partition.name=quantity",
+            "partition.classes_per_client=2",
+            "clients.models=mlp",
+            "clients.count=2",
+            "algorithm.name=fedproto",
+            "local.vectorize=off",
+            "rounds=1",
+            "eval_every=1",
+        ],
+    )
+    (r,) = Simulation(cfg).run()
+    assert r["bytes_down_per_client"] == (10 * 64 + 10) * 4
+    assert r["bytes_up_per_client"] == 2 * (64 + 2) * 4
+    assert r["bytes_down_round"] == r["bytes_down_total"] == 2 * 2600
+    assert r["bytes_up_round"] == 2 * 528
+    assert r["bytes_up_total"] == 2 * 528 + 2 * 2 * 8

@@ -96,6 +96,7 @@ from hyperfed.distill.component import (
 )
 from hyperfed.distill.losses import group_batches, supcon_loss
 from hyperfed.distill.synthesis import DistillConfig
+from hyperfed.engine.local import FlopMeter
 from hyperfed.engine.losses import kd_loss
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
@@ -388,7 +389,7 @@ class DESAClient(PersonalModelClient):
             step_ctx={"anc_idx": anc_idx.to(state["syn_y"].device)},
         )
         new_state = {**state, "theta": theta, "buffers": buffers}
-        with torch.no_grad():
+        with torch.no_grad(), FlopMeter.counting():  # the round's upload: the client's work
             z = self.anchor_logits(group, theta, new_state)
         return {"logits": z}, new_state, loss
 

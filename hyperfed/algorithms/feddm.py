@@ -70,7 +70,7 @@ from hyperfed.distill.synthesis import (
     perturb_within,
     train_on_synthetic,
 )
-from hyperfed.engine.local import SGDConfig, client_seed
+from hyperfed.engine.local import FlopMeter, SGDConfig, client_seed
 from hyperfed.errors import ConfigError
 from hyperfed.progress import PhaseCost
 
@@ -192,16 +192,17 @@ class FedDMClient(Client):
         hp: FedDMParams = self.hp
         theta = msg["theta"][0]  # the same w_t for every client
         seeds = [client_seed(group.seed, group.rnd, c, DISTILL_SALT) for c in group.client_ids]
-        xs, ys, stats = distill_matching(
-            group.fm,
-            partial(sampled_model, theta, hp.radius, group.seed, group.rnd),
-            group.data,
-            group.client_ids,
-            hp.distill_config(),
-            seeds,
-            match_logits=hp.match_logits,
-            label=f"round {group.rnd}: distilling synthetic sets",
-        )
+        with FlopMeter.counting():  # the round's distillation is the client's whole work
+            xs, ys, stats = distill_matching(
+                group.fm,
+                partial(sampled_model, theta, hp.radius, group.seed, group.rnd),
+                group.data,
+                group.client_ids,
+                hp.distill_config(),
+                seeds,
+                match_logits=hp.match_logits,
+                label=f"round {group.rnd}: distilling synthetic sets",
+            )
         padded = [pad_by_class(x, y, group.data.num_classes, hp.ipc) for x, y in zip(xs, ys)]
         reply = {
             "syn_x": torch.stack([p[0] for p in padded]),

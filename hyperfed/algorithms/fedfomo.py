@@ -92,7 +92,7 @@ from hyperfed.algorithms.base import (
     chosen,
 )
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import client_seed, evaluate_clients
+from hyperfed.engine.local import FlopMeter, client_seed, evaluate_clients
 from hyperfed.models.layout import FunctionalModel
 
 # what a client keeps when no candidate lowers its validation loss below theta_i^{t-1}'s:
@@ -162,8 +162,10 @@ def with_validation(
 def validation_loss(
     fm: FunctionalModel, theta: Tensor, buffers: Tensor, data: FederatedData, ids: list[int]
 ) -> Tensor:
-    """Mean cross-entropy of each client's ``theta[c]`` on its validation split, ``[C]``."""
-    _, total, loss_sum = evaluate_clients(fm, theta, buffers, data, ids, split="val")
+    """Mean cross-entropy of each client's ``theta[c]`` on its validation split, ``[C]``: the
+    client's per-round work (Eq. 4), counted by the active FLOP meter."""
+    with FlopMeter.counting():
+        _, total, loss_sum = evaluate_clients(fm, theta, buffers, data, ids, split="val")
     return loss_sum / total.clamp(min=1)
 
 

@@ -42,7 +42,7 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
 )
-from hyperfed.engine.local import evaluate_clients
+from hyperfed.engine.local import FlopMeter, evaluate_clients
 from hyperfed.models.layout import FunctionalModel, fresh_init
 
 
@@ -124,7 +124,8 @@ class HypClusterClient(Client):
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[Payload, dict[str, Tensor], Tensor]:
         clusters = msg["clusters"]
-        choice = self.choose(group, clusters, state["buffers"])
+        with FlopMeter.counting():  # step 2 is the client's per-round work
+            choice = self.choose(group, clusters, state["buffers"])
         start = clusters[torch.arange(len(choice), device=choice.device), choice]
         theta, buffers, loss = group.train(start, state["buffers"])
         return {"theta": theta, "cluster": choice}, {"buffers": buffers}, loss

@@ -82,7 +82,7 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
 )
-from hyperfed.engine.local import client_seed, plan_batches
+from hyperfed.engine.local import FlopMeter, client_seed, plan_batches
 from hyperfed.engine.optim import adam
 from hyperfed.errors import ConfigError
 from hyperfed.hparams import Space
@@ -419,7 +419,7 @@ class PeFLLClient(Client):
         phi_grad = torch.zeros_like(msg["phi"])
         if bool(msg["gv"].any()):  # zero until the client's second participation
             phi_used = state["phi_used"].clone().requires_grad_(True)
-            with torch.enable_grad():
+            with torch.enable_grad(), FlopMeter.counting():
                 v_used = self.descriptors(group, phi_used, state["idx_used"])
                 (phi_grad,) = torch.autograd.grad(v_used, phi_used, msg["gv"].to(v_used.dtype))
         # step 2: train the generated model (skipped for new clients: nothing is learned)
@@ -430,7 +430,7 @@ class PeFLLClient(Client):
             loss = torch.zeros(group.size, device=theta.device)
         # step 1 for the next participation: a fresh descriptor with the received phi
         idx = self.descriptor_batch(group, salt=7)
-        with torch.no_grad():
+        with torch.no_grad(), FlopMeter.counting():
             v = self.descriptors(group, msg["phi"], idx)
         new_state = {
             **state,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hyperfed.data.federated import FederatedData
+from hyperfed.engine.local import FlopMeter
 from hyperfed.models.layout import FunctionalModel
 
 
@@ -117,7 +118,24 @@ def class_means(
     FedProto's prototypes), ``False`` the logits (FD). The models run in inference mode.
     Returns ``(means [C, num_classes, d], counts [C, num_classes])``; classes a client does
     not hold have mean 0 and count 0.
+
+    The pass is the client's per-round work (FedProto, FD, FedTGP, FedGH run it every round):
+    its forward FLOPs go into the active :class:`FlopMeter` (one whole-model forward per
+    training sample; at E = 1 about a quarter of the round's client FLOPs).
     """
+    with FlopMeter.counting():
+        return _class_means(fm, theta, buffers, data, client_ids, features, chunk)
+
+
+def _class_means(
+    fm: FunctionalModel,
+    theta: Tensor,
+    buffers: Tensor,
+    data: FederatedData,
+    client_ids: list[int],
+    features: bool,
+    chunk: int,
+) -> tuple[Tensor, Tensor]:
     nc = data.num_classes
     means, counts = [], []
     for c, cid in enumerate(client_ids):
