@@ -330,9 +330,30 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     out = []
-    for line in p.read_text().splitlines():
+    for line in p.read_bytes().splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError (binary garbage)
             break  # a line cut by a kill: everything after it is untrusted
+        if not is_record(record):
+            break  # not a record hyperfed wrote (edited by hand, or garbage that parses)
+        out.append(record)
     return out
+
+
+# what every metrics record holds, and report / resume read: the round, the accuracies
+_RECORD_NUMBERS = ("mean_acc", "weighted_acc", "min_acc", "max_acc", "std_acc")
+
+
+def is_record(record: Any) -> bool:
+    """Whether ``record`` (one parsed line of metrics.jsonl) has the shape hyperfed writes: a
+    whole-number ``round`` and the accuracies as numbers (None: a NaN, JSON has none)."""
+    if not isinstance(record, dict):
+        return False
+    rnd = record.get("round")
+    if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
+        return False
+    return all(
+        k in record and (record[k] is None or type(record[k]) in (int, float))
+        for k in _RECORD_NUMBERS
+    )
