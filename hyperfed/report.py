@@ -121,11 +121,22 @@ def row_gain(gains: list[float | None]) -> float | None:
 def run_summary(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     records = read_metrics(path)
+    metrics = path / "metrics.jsonl"
+    if not records and metrics.is_file() and metrics.stat().st_size:
+        raise ReportError(
+            f"{metrics}: line 1 is not a record hyperfed wrote (corrupt or edited); "
+            "nothing to report"
+        )
     if not records:
         raise ReportError(f"{path}: no metrics.jsonl records; is this a hyperfed run directory?")
-    cfg = (
-        tomllib.loads((path / "config.toml").read_text()) if (path / "config.toml").exists() else {}
-    )
+    try:
+        cfg = (
+            tomllib.loads((path / "config.toml").read_bytes().decode())
+            if (path / "config.toml").exists()
+            else {}
+        )
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ReportError(f"{path / 'config.toml'}: not a readable config ({e})") from None
     final = records[-1]
     # the best round is chosen on the validation split where the clients hold one
     best_by = "val" if all(r.get("val_mean_acc") is not None for r in records) else "test"
