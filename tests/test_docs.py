@@ -4,10 +4,12 @@ It stays short, its relative links resolve on GitHub, and the two parts it share
 site (the quick start, the methods table) are the same text in both places, so neither can
 drift. The methods table names every built-in algorithm and nothing else. CONTRIBUTING.md's
 layer table covers tests/test_layers.py's layers, and the files and line count it names exist.
+The docstrings use only the rST roles the site's griffe extension turns into links.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import re
@@ -146,6 +148,41 @@ def test_contributing_names_files_that_exist() -> None:
     )
 
 
+RST_ROLES = ROOT / "docs" / "_ext" / "rst_roles.py"
+ANY_ROLE = re.compile(r"(?<![\w:]):((?:py:)?[a-z]+):`([^`]*)`")
+TARGET = re.compile(r"~?[\w.]+(?:\n\s*[\w.]+)*")  # a dotted name, which may break at a line end
+
+
+def _handled_roles() -> tuple[str, ...]:
+    """docs/_ext/rst_roles.py's ROLES, read without importing it (griffe is the docs extra's)."""
+    for node in ast.parse(RST_ROLES.read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "ROLES":
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError("docs/_ext/rst_roles.py defines no ROLES")
+
+
+def _unhandled_roles(text: str, roles: tuple[str, ...]) -> list[str]:
+    return [
+        m.group(0)
+        for m in ANY_ROLE.finditer(text)
+        if m.group(1) not in roles or not TARGET.fullmatch(m.group(2))
+    ]
+
+
+def test_docstring_roles_are_the_ones_the_site_links() -> None:
+    """Every ``:role:`target``` in the package is one docs/_ext/rst_roles.py rewrites into a link
+    (``make docs`` then fails on a target that names nothing and on any role left in the HTML):
+    no ``:exc:``, ``:py:class:``, ``:ref:`` or ``Title <target>`` form that would print raw."""
+    roles = _handled_roles()
+    assert {"class", "meth", "func", "mod"} <= set(roles)
+    bad = [
+        f"{f.relative_to(ROOT)}: {role}"
+        for f in sorted((ROOT / "hyperfed").glob("**/*.py"))
+        for role in _unhandled_roles(f.read_text(), roles)
+    ]
+    assert not bad, f"rST roles the docs site cannot link (use {', '.join(roles)}): {bad}"
+
+
 def test_the_helpers_see_a_difference() -> None:
     """The checks above can fail: a changed row, a dead link and an extra heading are seen."""
     text = "# t\n\n## A\n\n```\n## not a heading\n```\n| x |\n|---|\n| `a` |\n\n## B\n\nrest\n"
@@ -154,4 +191,10 @@ def test_the_helpers_see_a_difference() -> None:
     assert _relative_links("[a](docs/x.md) [b](https://e.org) [c](#d) ![i](img/p.png)") == [
         "docs/x.md",
         "img/p.png",
+    ]
+    text = ":class:`A` :func:`~m.f` :exc:`E` :py:class:`B` :class:`T <m.T>` :meth:`a.b`"
+    assert _unhandled_roles(text, _handled_roles()) == [
+        ":exc:`E`",
+        ":py:class:`B`",
+        ":class:`T <m.T>`",
     ]
