@@ -85,12 +85,15 @@ def run(
     with contextlib.ExitStack() as held:
         try:
             if resume is not None:
-                if config is not None or set_:
-                    fail("--resume takes its config from the run directory; drop --config/--set")
+                if config is not None:  # --set rounds=N alone may change it (resume_run)
+                    fail(
+                        "--resume takes its config from the run directory; drop --config "
+                        "(--set rounds=N alone extends the run)"
+                    )
                 if not (resume / "config.toml").exists():
                     fail(f"--resume {resume}: not a run directory (no config.toml)")
                 held.enter_context(RunDir(resume).locked())
-                sim, run_dir, start = resume_run(resume)
+                sim, run_dir, start = resume_run(resume, set_ or [])
             else:
                 cfg = load_config(config, set_ or [])
                 stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -104,7 +107,21 @@ def run(
         except HyperfedError as e:
             fail(str(e))
             return
-        _run_with_progress(sim, run_dir, start, quiet)
+        try:
+            _run_with_progress(sim, run_dir, start, quiet)
+        except KeyboardInterrupt:  # Ctrl-C: say how to go on, as sweep and reproduce do
+            say(interrupted(run_dir.path), err=True)
+            raise typer.Exit(130) from None
+
+
+def interrupted(path: Path) -> str:
+    """The line a run stopped by Ctrl-C ends with: how to resume it (or, before its first
+    checkpoint, how to start it again)."""
+    from hyperfed.runtime.rundir import CHECKPOINT
+
+    if (path / CHECKPOINT).exists():
+        return f"interrupted; resume with: hyperfed run --resume {path}"
+    return f"interrupted before the first checkpoint; start it again with --out {path} --force"
 
 
 def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:

@@ -93,13 +93,36 @@ class _RichPhase:
         self.progress.remove_task(self.task)
 
 
+# what the final table's title says was scored, by the record's ``scores`` (the method's
+# declaration, algorithms.base.SCORED_MODELS); a record without it names no model
+SCORED_WORDS = {
+    "personalized": "each client's own model",
+    "global": "the global model, one per architecture",
+    "local": "each client's model after its local training",
+}
+
+
+def final_title(record: dict[str, Any]) -> str:
+    """``Test accuracy at round 3 (the global model, one per architecture)``: the model named
+    is the one the method's evaluation scored."""
+    scored = SCORED_WORDS.get(str(record.get("scores")))
+    return f"Test accuracy at round {record['round']}" + (f" ({scored})" if scored else "")
+
+
+def best_label(summary: dict[str, Any]) -> str:
+    """``best mean (round 7, picked on val)``, or ``(round 7, picked on test)`` where the
+    clients hold no validation split to choose it on (the final table's caption says so)."""
+    on = "val" if summary.get("best_by") == "val" else "test"
+    return f"best mean (round {summary['best_round']}, picked on {on})"
+
+
 def print_final(path: Path, seconds: float) -> None:
     """Each client's test accuracy at the final round, the means, spread and best round."""
     from hyperfed.report import run_summary
 
     s = run_summary(path)
     final = s["records"][-1]
-    table = Table(title=f"Test accuracy at round {final['round']} (each client's own model)")
+    table = Table(title=final_title(final))
     table.add_column("client", justify="right")
     table.add_column("model")
     table.add_column("accuracy", justify="right")
@@ -110,7 +133,12 @@ def print_final(path: Path, seconds: float) -> None:
     table.add_row("mean", "", f"[bold]{s['final_mean_acc']:.4f}[/]")
     table.add_row("weighted", "", f"{s['final_weighted_acc']:.4f}")
     table.add_row("min / max", "", f"{s['min_acc']:.4f} / {s['max_acc']:.4f}")
-    table.add_row(f"best mean (round {s['best_round']})", "", f"{s['best_mean_acc']:.4f}")
+    table.add_row(best_label(s), "", f"{s['best_mean_acc']:.4f}")
+    if s.get("best_by") != "val":
+        table.caption = (
+            "no validation split: the best round is picked on the test set (headline: the "
+            "final round; partition.val_fraction > 0 picks the best on validation)"
+        )
     console.print(table)
     console.print(
         f"upload {s['up_mb_per_client_round']:.4f} MB per client per round; "

@@ -154,10 +154,16 @@ def test_missing_or_broken_config_file(tmp_path):
     assert not out.exists()
 
 
-def test_resume_needs_a_run_directory_and_no_overrides(tmp_path):
+def test_resume_needs_a_run_directory_and_no_overrides_but_rounds(tmp_path):
     _assert_one_line_error(invoke("run", "--resume", str(tmp_path)), "config.toml")
     (tmp_path / "config.toml").write_text("rounds = 3\n")
-    _assert_one_line_error(invoke("run", "--resume", str(tmp_path), "--set", "rounds=4"), "--set")
+    _assert_one_line_error(
+        invoke("run", "--resume", str(tmp_path), "--set", "local.lr=0.5"), "--set", "local.lr"
+    )
+    _assert_one_line_error(
+        invoke("run", "--resume", str(tmp_path), "--config", str(tmp_path / "config.toml")),
+        "--config",
+    )
 
 
 # -- runs and reports ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from hyperfed.config import ConfigError, load_config
         ('algorithm.hn_lr="abc"', ["algorithm.hn_lr", "valid number"]),
         ("algorithm.hn_lrr=0.1", ["did you mean hn_lr"]),
         ("rouds=3", ["did you mean rounds"]),
+        ("algorithm.name=mh_pfedhnn", ["unknown algorithm 'mh_pfedhnn'; did you mean mh_pfedhn"]),
     ],
 )
 def test_bad_settings_are_one_line_errors(setting: str, words: list[str]) -> None:

@@ -382,3 +382,97 @@ def test_run_refuses_an_out_holding_other_files_unless_forced(tmp_path: Path) ->
     result = invoke("run", "--out", str(out), "--force", "--quiet", *sets(TWO_ROUNDS))
     assert result.exit_code == 0, result.output
     assert "rounds = 2" in (out / "config.toml").read_text()
+
+
+def test_a_finished_run_extends_with_resume_and_more_rounds(
+    finished_run: Path, tmp_path: Path
+) -> None:
+    """Issue 56 item 6: ``--resume DIR --set rounds=3`` continues a finished 2-round run from
+    its last checkpoint: its metrics keep rounds 1-2 byte for byte and go on with round 3, and
+    config.toml says 3 rounds. Any other --set, or fewer rounds than were run, is refused in
+    one line with the directory as it was."""
+    from hyperfed.runtime.rundir import read_metrics
+
+    run = _copy_run(finished_run, tmp_path / "r")
+    before = (run / "metrics.jsonl").read_text().splitlines()
+    _refused(["run", "--resume", str(run), "--set", "local.lr=0.5"], run, "only rounds", "local.lr")
+    _refused(["run", "--resume", str(run), "--set", "rounds=1"], run, "run 2 rounds", "grow")
+    result = invoke("run", "--resume", str(run), "--set", "rounds=3", "--quiet")
+    assert result.exit_code == 0, result.output
+    after = (run / "metrics.jsonl").read_text().splitlines()
+    assert [r["round"] for r in read_metrics(run)] == [1, 2, 3]
+    assert after[:2] == before  # the finished rounds' rows, unchanged
+    assert "rounds = 3" in (run / "config.toml").read_text().splitlines()
+
+
+def test_an_extension_killed_before_its_first_new_checkpoint_still_resumes(
+    finished_run: Path, tmp_path: Path
+) -> None:
+    """The extension rewrites config.toml and re-points the kept checkpoint at it before any
+    round runs, so a kill right then leaves a run that resumes (not "config.toml changed")."""
+    from hyperfed.runtime.simulate import resume
+
+    run = _copy_run(finished_run, tmp_path / "r")
+    state = RunDir(run).load_checkpoint()
+    sim, _, start = resume(run, ["rounds=5"])  # rebuilt, nothing run: as if killed now
+    sim.close()
+    assert start == 2 and "rounds = 5" in (run / "config.toml").read_text().splitlines()
+    again = RunDir(run).load_checkpoint()  # verified against the new config: no error
+    assert again is not None and state is not None and again["round"] == state["round"] == 2
+
+
+@pytest.mark.parametrize("stop_at", [1, 2])
+def test_ctrl_c_says_how_to_resume_and_exits_130(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int
+) -> None:
+    """Ctrl-C in round 2 (round 1 checkpointed): one line naming ``--resume DIR``; in round 1,
+    before any checkpoint: how to start again. Exit status 130 either way."""
+    from hyperfed.runtime.driver import RoundDriver
+
+    run_round = RoundDriver.run_round
+
+    def interrupted(self, rnd, **kw):  # type: ignore[no-untyped-def]
+        if rnd == stop_at:
+            raise KeyboardInterrupt
+        return run_round(self, rnd, **kw)
+
+    monkeypatch.setattr(RoundDriver, "run_round", interrupted)
+    out = tmp_path / "r"
+    result = invoke("run", "--out", str(out), "--quiet", *sets(TWO_ROUNDS))
+    assert result.exit_code == 130, result.output
+    said = " ".join(result.output.split())
+    if stop_at == 2:
+        assert said == f"interrupted; resume with: hyperfed run --resume {out}"
+    else:
+        assert said == (
+            f"interrupted before the first checkpoint; start it again with --out {out} --force"
+        )
+
+
+def test_the_final_table_names_the_scored_model_and_where_the_best_round_was_picked(
+    finished_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FedAvg scores its global model: the title must not say "each client's own model"; with
+    no validation split the best round is labelled as picked on test. A run whose records say
+    ``personalized`` and carry a validation accuracy reads the other way."""
+    from hyperfed.terminal import console, print_final
+
+    width = console.width
+    console.width = 200
+    try:
+        print_final(finished_run, 1.0)
+        fedavg = capsys.readouterr().out
+        run = _copy_run(finished_run, tmp_path / "r")
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        for row, val in zip(rows, (0.5, 0.4)):  # round 1 is the best on validation
+            row.update(scores="personalized", val_mean_acc=val)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print_final(run, 1.0)
+        personal = capsys.readouterr().out
+    finally:
+        console.width = width
+    assert "Test accuracy at round 2 (the global model, one per architecture)" in fedavg
+    assert "own model" not in fedavg
+    assert "picked on test" in fedavg and "no validation split" in fedavg
+    assert "Test accuracy at round 2 (each client's own model)" in personal
+    assert "best mean (round 1, picked on val)" in personal and "picked on test" not in personal

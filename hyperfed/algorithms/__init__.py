@@ -20,6 +20,7 @@ from hyperfed.algorithms.base import (
     Server,
     ServerContext,
 )
+from hyperfed.errors import did_you_mean
 from hyperfed.registry import Registry
 
 
@@ -52,7 +53,10 @@ def registry() -> dict[str, Algorithm]:
 def get_algorithm(name: str) -> Algorithm:
     algos = registry()
     if name not in algos:
-        raise KeyError(f"unknown algorithm {name!r}; choose one of: {', '.join(sorted(algos))}")
+        raise KeyError(
+            f"unknown algorithm {name!r}; {did_you_mean(name, algos)}choose one of: "
+            f"{', '.join(sorted(algos))}"
+        )
     return algos[name]
 
 

@@ -313,6 +313,26 @@ class RunDir:
         except Exception as e:  # the unpickler refuses anything but tensors and containers
             raise RunDirError(f"{bad}: it holds more than tensors ({e}); {restart}") from None
 
+    def rebind_config(self, config_toml: str) -> None:
+        """Write ``config_toml`` as the run's config and point the checkpoint (verified before)
+        at it: ``hyperfed run --resume DIR --set rounds=N`` extending a run. Only the header's
+        config hash changes, patched in place (a hash for a hash: the same length), so the
+        state is neither read nor copied again."""
+        path = self.path / CHECKPOINT
+        with path.open("rb") as f:
+            line = f.readline(_HEADER_BYTES + 1)
+        old = json.loads(line)["config_sha256"]
+        atomic_write_bytes(self.path / CONFIG, lambda f: f.write(config_toml.encode()))
+        key = b'"config_sha256": '
+        patched = line.replace(
+            key + json.dumps(old).encode(), key + json.dumps(self.config_sha256()).encode(), 1
+        )
+        assert len(patched) == len(line) and patched != line or old == self.config_sha256()
+        with path.open("r+b") as out:
+            out.write(patched)
+            out.flush()
+            os.fsync(out.fileno())
+
     def truncate_metrics(self, last_round: int) -> None:
         """Keep complete records up to ``last_round`` (a killed run may leave more, or half a line)."""
         keep = [r for r in self.metrics() if r["round"] <= last_round]

@@ -402,11 +402,23 @@ def open_tensorboard(path: Path | None = None) -> Any:
     return None if path is None else SummaryWriter(log_dir=str(path / "tensorboard"))
 
 
-def resume(path: str | Path) -> tuple[Simulation, RunDir, int]:
-    """Rebuild a run from its directory and load its last checkpoint."""
+def resume(path: str | Path, sets: Iterable[str] = ()) -> tuple[Simulation, RunDir, int]:
+    """Rebuild a run from its directory and load its last checkpoint. ``sets`` may change
+    ``rounds`` alone (``--set rounds=N``: a finished run extended to N rounds, its metrics
+    continued); any other change is refused in one line, and so is an N below the
+    checkpoint's round. Nothing in the directory changes before the run is rebuilt."""
     from hyperfed.config import load_config
 
     run_dir = RunDir(path)
+    config = run_dir.path / "config.toml"
+    cfg = load_config(config)
+    extended = load_config(config, list(sets)) if sets else cfg
+    changed = changed_keys(cfg, extended)
+    if set(changed) - {"rounds"}:  # checked first: the cheapest refusal
+        raise RunDirError(
+            f"--resume {run_dir.path}: --set may change only rounds (to extend the run), not "
+            f"{', '.join(k for k in changed if k != 'rounds')}; start a new run with --out"
+        )
     state = run_dir.load_checkpoint()  # verified first: nothing is built for a bad one
     if state is None:
         # a resume that cannot resume changes nothing (a Flower run directory has no checkpoint)
@@ -414,8 +426,22 @@ def resume(path: str | Path) -> tuple[Simulation, RunDir, int]:
             f"{run_dir.path} has no checkpoint to resume from; start the run anew with "
             f"--out {run_dir.path} --force"
         )
-    cfg = load_config(run_dir.path / "config.toml")
-    sim = Simulation(cfg)
+    if extended.rounds < int(state["round"]):
+        raise RunDirError(
+            f"--set rounds={extended.rounds}: {run_dir.path} has run {state['round']} rounds "
+            "already; rounds can only grow past them"
+        )
+    sim = Simulation(extended)
     start = sim.load_state_dict(state)
+    if changed:
+        run_dir.rebind_config(to_toml(extended))
     run_dir.truncate_metrics(start)
     return sim, run_dir, start
+
+
+def changed_keys(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:
+    """The ``--set`` keys whose resolved values differ between two configs."""
+    from hyperfed.config import flat_keys
+
+    fa, fb = (flat_keys(c.model_dump(mode="json")) for c in (a, b))
+    return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
