@@ -777,6 +777,8 @@ def attack(
     from hyperfed.config import load_config
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    if out is not None and out.exists() and not out.is_dir():  # before the attack's work
+        fail(f"--out {out} is a file; choose a folder")
     with Progress(
         TextColumn("[bold blue]{task.description}"),
         MofNCompleteColumn(),
@@ -805,7 +807,10 @@ def attack(
             fail(str(e))
             return
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    paths = save_report(report, out or Path("runs") / f"{stamp}-attack", cfg)
+    try:
+        paths = save_report(report, out or Path("runs") / f"{stamp}-attack", cfg)
+    except OSError as e:
+        fail(f"--out {out}: cannot write the attack's files there ({e.strerror or e})")
     table = Table(
         title=f"Gradient inversion of client {report.client} ({report.model}), "
         f"{report.algorithm}, round {report.round}, {report.local_steps} local steps"
