@@ -90,6 +90,17 @@ def export_federation(
     out = Path(out)
     check_target(out, fmt, force)
     data = data.to("cpu")
+    try:
+        return _write_export(data, out, fmt, config, progress)
+    except OSError as e:  # an unwritable or missing place, a full disk: nothing kept of it
+        why = e.strerror or str(e)
+        raise ExportError(f"--out {out}: cannot write the export there ({why})") from None
+
+
+def _write_export(
+    data: FederatedData, out: Path, fmt: str, config: Any, progress: Progress | None
+) -> list[str]:
+    """Write into a temp folder beside ``out``, then move the files into ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:

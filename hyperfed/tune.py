@@ -406,7 +406,12 @@ def tune(
         raise TuneError(f"--parallel {parallel}: need at least 1")
     cfg = request.base_config()  # config errors surface here, before any work
     space = search_space(cfg.algorithm.name, cfg.hparams())
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise TuneError(f"--out {folder} is a file; choose a folder for the study")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TuneError(f"--out {folder}: cannot make the study folder ({e.strerror})") from None
     meta = folder / "tune.json"
     wanted = {"config": str(request.config), "sets": list(request.sets), "space": sorted(space)}
     before = json.loads(meta.read_text()) if meta.exists() else {}

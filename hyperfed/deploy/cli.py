@@ -366,6 +366,8 @@ def app_(
 
     cfg = _load(config, set_)
     groups = _groups(cfg, clients_per_node)
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} is a file; choose a folder for the Flower app")
     material = None
     if secure:
         from hyperfed.deploy.secure import make_material
@@ -377,16 +379,24 @@ def app_(
         if folder.resolve().is_relative_to(out.resolve()):
             # flwr run ships the app folder to the SuperLink and every node
             fail(f"--secure-dir {folder}: must not lie inside the app folder {out}")
-        material = make_material(folder, groups, hosts=[host])
-    path = write_app(
-        out,
-        cfg,
-        run_dir=run_dir,
-        min_nodes=min_nodes,
-        join_timeout=join_timeout,
-        round_timeout=round_timeout,
-        clients_per_node=clients_per_node,
-    )
+        if folder.exists() and not folder.is_dir():
+            fail(f"--secure-dir {folder} is a file; choose a folder")
+        try:
+            material = make_material(folder, groups, hosts=[host])
+        except OSError as e:
+            fail(f"--secure-dir {folder}: cannot write there ({e.strerror or e})")
+    try:
+        path = write_app(
+            out,
+            cfg,
+            run_dir=run_dir,
+            min_nodes=min_nodes,
+            join_timeout=join_timeout,
+            round_timeout=round_timeout,
+            clients_per_node=clients_per_node,
+        )
+    except OSError as e:
+        fail(f"--out {out}: cannot write the Flower app there ({e.strerror or e})")
     console.print(f"wrote {path / 'pyproject.toml'}", highlight=False)
     if material is not None:
         console.print(
