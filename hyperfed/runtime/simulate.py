@@ -51,7 +51,7 @@ from hyperfed.runtime.parallel import (
     stochastic_models,
 )
 from hyperfed.runtime.poison import UPDATE_ATTACKS, Poisoning, flip_labels, lie_about_counts
-from hyperfed.runtime.rundir import RunDir, RunDirError
+from hyperfed.runtime.rundir import CHECKPOINT, RunDir, RunDirError
 
 log = logging.getLogger("hyperfed")
 
@@ -426,13 +426,29 @@ def resume(path: str | Path, sets: Iterable[str] = ()) -> tuple[Simulation, RunD
             f"{run_dir.path} has no checkpoint to resume from; start the run anew with "
             f"--out {run_dir.path} --force"
         )
+    # a checkpoint with a valid checksum whose state is not this run's (another version's
+    # layout, or crafted): one line, nothing changed
+    foreign = (
+        f"checkpoint {run_dir.path / CHECKPOINT} is unusable: its state does not fit this "
+        f"run ({cfg.algorithm.name})"
+    )
+    if not isinstance(state, dict) or type(state.get("round")) is not int:
+        raise RunDirError(
+            f"{foreign} (no round number); start the run anew with --out {run_dir.path} --force"
+        )
     if extended.rounds < int(state["round"]):
         raise RunDirError(
             f"--set rounds={extended.rounds}: {run_dir.path} has run {state['round']} rounds "
             "already; rounds can only grow past them"
         )
     sim = Simulation(extended)
-    start = sim.load_state_dict(state)
+    try:
+        start = sim.load_state_dict(state)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        raise RunDirError(
+            f"{foreign} ({why}); start the run anew with --out {run_dir.path} --force"
+        ) from None
     if changed:
         run_dir.rebind_config(to_toml(extended))
     run_dir.truncate_metrics(start)
