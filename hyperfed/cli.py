@@ -26,7 +26,7 @@ from rich.table import Table
 
 from hyperfed.deploy.cli import ConfigOpt, ForceOpt, SetOpt, flower_cli
 from hyperfed.errors import HyperfedError
-from hyperfed.progress import LineReporter, duration, reporting
+from hyperfed.progress import LineReporter, duration
 from hyperfed.terminal import (
     RichPhases,
     console,
@@ -76,9 +76,9 @@ def run(
     force: ForceOpt = False,
 ) -> None:
     """Run an experiment (no arguments: the built-in default on scikit-learn's digits)."""
+    from hyperfed.api import build_simulation
     from hyperfed.config import load_config
     from hyperfed.runtime.rundir import RunDir, check_new_run
-    from hyperfed.runtime.simulate import Simulation
     from hyperfed.runtime.simulate import resume as resume_run
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
@@ -102,7 +102,7 @@ def run(
                     fail(f"--out {out} is a file; choose a folder")
                 held.enter_context(run_dir.locked())  # before any work: a second run is refused
                 check_new_run(run_dir.path, force, resume=f"--resume {run_dir.path}")
-                sim = Simulation(cfg)
+                sim = build_simulation(cfg)
                 start = 0
         except HyperfedError as e:
             fail(str(e))
@@ -125,11 +125,10 @@ def interrupted(path: Path) -> str:
 
 
 def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
-    from hyperfed.report import LABEL_PLOT, plot_label_distribution, write_summary
+    from hyperfed.api import execute
     from hyperfed.runtime.rundir import CHECKPOINT, CheckpointWriteError
 
     cfg = sim.cfg
-    plot_label_distribution(sim.data.label_counts(), run_dir.path / LABEL_PLOT)
     if not quiet:
         groups = ", ".join(f"{len(c)}x {n}" for n, c in sim.groups.items())
         console.print(
@@ -173,9 +172,8 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
                     )
             progress.update(task, advance=1)
 
-        try:
-            with reporting(phases):
-                sim.run(run_dir, start_round=start, on_round=on_round)
+        try:  # hyperfed.api.execute: what hyperfed.run runs too (plots, rounds, summary.md)
+            execute(sim, run_dir, start, on_round=on_round, phases=phases)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -190,10 +188,11 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
                 else f"run again with --out {run_dir.path} --force"
             )
             fail(f"{e}; free some space and {again}")
+        except HyperfedError as e:  # e.g. a method that needs what the client model lacks
+            fail(str(e))
         finally:
             if isinstance(phases, LineReporter):
                 phases.close()
-    write_summary(run_dir.path)
     if not quiet:
         print_final(run_dir.path, time.perf_counter() - t0)
     if nonfinite:
@@ -246,6 +245,13 @@ def list_(
         fail(str(e))
 
 
+def _skip_faulty(kind: str, name: str, e: Exception) -> None:
+    why = " ".join(str(e).split()) or type(e).__name__
+    logging.getLogger("hyperfed.plugins").warning(
+        "skipping %s %s: %s: %s", kind, name, type(e).__name__, why
+    )
+
+
 def _list_table(what: ListWhat, input_shape: str, classes: int) -> None:
     table = Table()
     if what is ListWhat.algorithms:
@@ -262,14 +268,17 @@ def _list_table(what: ListWhat, input_shape: str, classes: int) -> None:
         table.add_column("hyperparameters (defaults)")
         table.add_column("follows")
         for name, alg in sorted(registry().items()):
-            sources = hparam_sources(alg.hparams)
-            hp = ", ".join(
-                f"{k}={v} [{mark[sources[k].split()[0]]}]"
-                for k, v in hparam_fields(alg.hparams).items()
-            )
-            table.add_row(
-                name, escape(alg.summary), escape(hp) or "-", escape(alg.reference or "the paper")
-            )
+            try:
+                sources = hparam_sources(alg.hparams)
+                hp = ", ".join(
+                    f"{k}={v} [{mark[sources[k].split()[0]]}]"
+                    for k, v in hparam_fields(alg.hparams).items()
+                )
+                row = [escape(alg.summary), escape(hp) or "-", escape(alg.reference or "the paper")]
+            except Exception as e:  # a plugin's broken entry: skipped, named; never the listing
+                _skip_faulty("algorithm", name, e)
+                continue
+            table.add_row(name, *row)
     elif what is ListWhat.models:
         from hyperfed.models.zoo import (
             ModelInputError,
@@ -294,7 +303,10 @@ def _list_table(what: ListWhat, input_shape: str, classes: int) -> None:
                 count = f"{param_count(build_model(name, shape, classes)):,}"
             except ModelInputError as e:
                 count = f"n/a ({e})"
-            table.add_row(name, count, describe_model(name))
+            except Exception as e:  # a plugin's model that fails to build: skipped, named
+                _skip_faulty("model", name, e)
+                continue
+            table.add_row(name, count, escape(describe_model(name)))
     elif what is ListWhat.datasets:
         from hyperfed.data.sources import dataset_entries
 
@@ -526,6 +538,14 @@ def reproduce(
         ),
     ] = False,
     trials: Annotated[int, typer.Option(help="Tuning trials per method (--tuned).")] = 12,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the runs (and what the folder holds) and an estimate of their time on "
+            "this machine from a short probe of each method; run nothing.",
+        ),
+    ] = False,
 ) -> None:
     """Run a paper table's comparison and print it beside the paper's figures."""
     from hyperfed.report import run_algorithm, run_summary, write_report
@@ -533,7 +553,9 @@ def reproduce(
         TARGETS,
         chosen_methods,
         compare,
+        dry_run_lines,
         get_target,
+        list_estimate,
         markdown,
         runs_method,
         sweep_args,
@@ -542,9 +564,21 @@ def reproduce(
     from hyperfed.sweep import run_sweep, sweep_runs
 
     if list_targets or target is None:
-        table = Table("target", "what", "methods", "config", "scales")
+        table = Table("target", "what", "methods", "config", "scales", "runs", "estimate")
+        table.caption = (
+            "runs: methods x 3 seeds; estimate: on this machine, one at a time, as the last "
+            "--dry-run of the target probed it (per scale)"
+        )
         for t in TARGETS.values():
-            table.add_row(t.key, t.title, ", ".join(t.methods), t.config, ", ".join(t.scales()))
+            table.add_row(
+                t.key,
+                t.title,
+                ", ".join(t.methods),
+                t.config,
+                ", ".join(t.scales()),
+                f"{3 * len(t.methods)}",
+                escape(list_estimate(t, out)),
+            )
         console.print(table)
         if target is None:
             return
@@ -562,6 +596,11 @@ def reproduce(
 
             require_optuna()  # before the default sweep, not after it
         folder = out / f"{t.key.replace(':', '-')}-{scale}"
+        if dry_run:
+            lines = dry_run_lines(t, scale, configs, folder, chosen, seed_list, tuned, trials)
+            for line in lines:
+                say(line)
+            return
         with progress_with_last(t.key, eta=False) as progress:
             task = progress.add_task("runs", total=None, last="")
 

@@ -9,7 +9,7 @@ they then appear in ``hyperfed list`` and run like the built-ins::
     # or: my_method = "my_pkg.my_method:ALGORITHM"  (an Algorithm object)
 
     [project.entry-points."hyperfed.models"]
-    my_net = "my_pkg.nets:build"              # (in_shape, num_classes) -> ZooNet, or a ModelEntry
+    my_net = "my_pkg.nets:build"              # (in_shape, num_classes) -> nn.Module, or a ModelEntry
 
     [project.entry-points."hyperfed.datasets"]
     my_data = "my_pkg.data:load"              # (data_dir=None, **options) -> ArrayDataset

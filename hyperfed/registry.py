@@ -35,6 +35,7 @@ class Registry(Generic[T]):
         self.kind = kind
         self.convert = convert
         self.builtin: dict[str, T] = {} if builtin is None else builtin  # kept, not copied
+        self.added: set[str] = set()  # names added at run time (add), among the built-ins
         self._with_plugins = plugins.cached(self._discover)
 
     def register(self, name: str, entry: T) -> T:
@@ -44,6 +45,30 @@ class Registry(Generic[T]):
         self.builtin[name] = entry
         self._with_plugins.cache_clear()  # type: ignore[attr-defined]  # read before: stale
         return entry
+
+    def add(self, name: str, entry: T) -> T:
+        """Add ``entry`` at run time (``hyperfed.register_model`` / ``register_method``): a
+        name added this way before is replaced; a built-in's or a plugin's name is a
+        :class:`~hyperfed.plugins.PluginError`."""
+        what = self.kind[:-1]
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise plugins.PluginError(f"a {what} name must be a non-empty word; got {name!r}")
+        if name not in self.added and name in self.entries():
+            owner = "a built-in" if name in self.builtin else "an installed plugin's"
+            raise plugins.PluginError(
+                f"{what} {name!r} is {owner} {what}; register yours under another name"
+            )
+        self.builtin[name] = entry
+        self.added.add(name)
+        self._with_plugins.cache_clear()  # type: ignore[attr-defined]
+        return entry
+
+    def remove(self, name: str) -> None:
+        """Forget an entry added at run time (:meth:`add`); other names are kept."""
+        if name in self.added:
+            self.added.discard(name)
+            del self.builtin[name]
+            self._with_plugins.cache_clear()  # type: ignore[attr-defined]
 
     def _discover(self) -> dict[str, T]:
         return {**self.builtin, **plugins.discover(self.kind, self.builtin, self.convert)}

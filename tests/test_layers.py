@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "apps",
         [
             "hyperfed.cli",
+            "hyperfed.api",
             "hyperfed.__main__",
             "hyperfed.terminal",
             "hyperfed.report",

@@ -260,13 +260,49 @@ def test_an_algorithm_plugin_named_like_a_built_in_is_refused(demo):
         registry()
 
 
-def test_a_model_builder_that_returns_no_zoonet_is_refused(site):
+def test_a_model_builder_may_return_any_module_but_not_something_else(site):
     install(
         site,
         "hfplug-clash",
-        "[hyperfed.models]\nplain = hfplug_clash:build\n",
-        {"hfplug_clash/__init__.py": "import torch\nbuild = lambda s, c: torch.nn.Linear(1, c)\n"},
+        "[hyperfed.models]\nplain = hfplug_clash:build\nnot_a_module = hfplug_clash:tensor\n",
+        {
+            "hfplug_clash/__init__.py": "import torch\n"
+            "build = lambda s, c: torch.nn.Linear(s[0], c)\n"
+            "tensor = lambda s, c: torch.zeros(c)\n"
+        },
     )
-    assert "plain" in model_names()
-    with pytest.raises(plugins.PluginError, match="ZooNet"):
-        build_model("plain", (1,), 2)
+    # a plain module is wrapped (issue 56): its Linear is the classifier, 3 * 2 + 2 params
+    net = build_model("plain", (3,), 2)
+    assert type(net).__name__ == "ModuleNet" and param_count(net) == 8
+    assert net.head_prefixes == ("net.",) and net.feature_dim == 3
+    with pytest.raises(plugins.PluginError, match="returned Tensor, not a torch.nn.Module"):
+        build_model("not_a_module", (3,), 2)
+
+
+def test_hyperfed_list_skips_a_faulty_plugin_by_name(demo, caplog):
+    """A model whose builder raises and an algorithm whose hyperparameters cannot be read are
+    left out of the listing with a warning naming them; the rest is listed (issue 56)."""
+    nets = "def build(in_shape, num_classes):\n    raise RuntimeError('needs a GPU')\n"
+    algo = ALGO.replace('"fedavg_uniform", "FedAvg', '"half_done", "FedAvg').replace(
+        "Params, UniformServer", "None, UniformServer"
+    )
+    install(
+        demo,
+        "hfplug-broken",
+        "[hyperfed.models]\nbroken_net = hfplug_clash:build\n"
+        "[hyperfed.algorithms]\nhalf_done = hfplug_clash.algo\n",
+        {"hfplug_clash/__init__.py": nets, "hfplug_clash/algo.py": algo},
+    )
+    for what, good, bad, why in [
+        ("models", "tiny_net", "broken_net", "RuntimeError: needs a GPU"),
+        ("algorithms", "fedavg_uniform", "half_done", "TypeError"),
+    ]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hyperfed.plugins"):
+            result = invoke("list", what, "--input-shape", "7", "--classes", "3")
+        assert result.exit_code == 0, result.output
+        assert re.search(rf"^\W*{good}\W", result.output, re.M), result.output
+        assert re.search(r"^\W*fedavg\W|^\W*mlp\W", result.output, re.M), result.output
+        assert bad not in result.output
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == 1 and bad in messages[0] and why in messages[0], messages

@@ -50,6 +50,24 @@ def registry() -> dict[str, Algorithm]:
     return dict(sorted(ALGORITHMS.entries().items()))
 
 
+def register_method(algorithm: Algorithm | types.ModuleType) -> str:
+    """Add a method to this process's registry (``hyperfed.register_method``): an
+    :class:`~hyperfed.algorithms.base.Algorithm`, or a module holding ``ALGORITHM`` (or an
+    ``ALGORITHMS`` list, whose first entry's name is returned). ``algorithm.name = <its name>``
+    then runs it. Registering a name again replaces this process's earlier registration; a
+    built-in or plugin method's name is refused. Worker processes (``local.workers`` > 1) do
+    not see it. Returns the (first) registered name."""
+    found = _in_module(algorithm) if isinstance(algorithm, types.ModuleType) else [algorithm]
+    if not found or not all(isinstance(alg, Algorithm) for alg in found):
+        raise TypeError(
+            "register_method: expected an Algorithm or a module with ALGORITHM = Algorithm(...); "
+            f"got {type(algorithm).__name__}"
+        )
+    for alg in found:
+        ALGORITHMS.add(alg.name, alg)
+    return found[0].name
+
+
 def get_algorithm(name: str) -> Algorithm:
     algos = registry()
     if name not in algos:
@@ -71,6 +89,7 @@ __all__ = [
     "ALGORITHMS",
     "METHOD_MODULES",
     "get_algorithm",
+    "register_method",
     "registry",
 ]
 

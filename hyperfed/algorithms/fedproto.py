@@ -147,9 +147,12 @@ class ClassStatsClient(PersonalModelClient):
 
 class FedProtoClient(ClassStatsClient):
     def join(self, fm: FunctionalModel, num_samples: int) -> Payload:
-        feature_dim = fm.module.feature_dim  # the input size of the zoo model's last Linear
+        feature_dim = getattr(fm.module, "feature_dim", None)  # the last Linear's input size
         if not isinstance(feature_dim, int):
-            raise ConfigError(f"clients.models: fedproto needs a zoo model; {fm.name} is not")
+            raise ConfigError(
+                f"clients.models: fedproto needs a model whose forward ends in an nn.Linear to "
+                f"the logits (its input is the representation); {fm.name} has none"
+            )
         return {
             "num_samples": torch.tensor(num_samples, dtype=torch.int64),
             "feature_dim": torch.tensor(feature_dim, dtype=torch.int64),

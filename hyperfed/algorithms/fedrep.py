@@ -74,7 +74,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.select import split_by_mask
-from hyperfed.models.split import BodyHead
+from hyperfed.models.split import BodyHead, layer_prefixes
 
 
 @dataclass
@@ -116,11 +116,7 @@ class FedRepParams:
 @cache
 def rep_split(fm: FunctionalModel, head_layers: str) -> BodyHead:
     """``body``: the representation phi; ``head``: h_i (``head_layers``)."""
-    if head_layers == "head":
-        prefixes = tuple(getattr(fm.module, "head_prefixes", ("classifier",)))
-    else:
-        prefixes = tuple(p.strip() for p in head_layers.split(",") if p.strip())
-    mask = fm.layout.mask(prefixes)
+    mask = fm.layout.mask(layer_prefixes(fm, head_layers))
     if not bool(mask.any()) or bool(mask.all()):
         raise ConfigError(
             f"algorithm.head_layers: {head_layers!r} must select some but not all parameters "

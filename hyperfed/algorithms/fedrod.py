@@ -61,6 +61,8 @@ from hyperfed.algorithms.base import (
 from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
 from hyperfed.data.federated import FederatedData
+from hyperfed.engine.representations import header_names
+from hyperfed.models.adapter import ModelPartError
 from hyperfed.models.layout import FunctionalModel
 
 
@@ -105,8 +107,14 @@ class Classifier:
 @cache
 def classifier(fm: FunctionalModel) -> Classifier:
     seg = {s.name: s for s in fm.layout.segments}
-    w, b = seg["classifier.weight"], seg["classifier.bias"]
-    assert w.end == b.offset, "classifier.weight must be followed by classifier.bias"
+    names = header_names(fm.module)  # the last Linear's weight and bias
+    if names[0] not in seg or names[1] not in seg:
+        raise ModelPartError(
+            f"model {fm.name!r}: fedrod needs an nn.Linear with a bias giving the logits, "
+            "called last in the forward"
+        )
+    w, b = seg[names[0]], seg[names[1]]
+    assert w.end == b.offset, "the classifier's weight must be followed by its bias"
     return Classifier(w.offset, w.shape[0], w.shape[1])
 
 

@@ -40,6 +40,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
+from hyperfed.models.split import layer_prefixes
 
 
 @dataclass
@@ -56,11 +57,7 @@ class LGFedAvgParams:
 
 def global_mask(fm: FunctionalModel, global_layers: str) -> Tensor:
     """Boolean ``[K]``: the entries of ``fm`` that are averaged by the server."""
-    if global_layers == "head":
-        prefixes = tuple(getattr(fm.module, "head_prefixes", ("classifier",)))
-    else:
-        prefixes = tuple(p.strip() for p in global_layers.split(",") if p.strip())
-    mask = fm.layout.mask(prefixes)
+    mask = fm.layout.mask(layer_prefixes(fm, global_layers))
     if not bool(mask.any()):
         raise ConfigError(
             f"algorithm.global_layers: {global_layers!r} matches no parameter of {fm.name}; "

@@ -59,7 +59,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.errors import ConfigError
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.select import norm_mask, split_by_mask
-from hyperfed.models.split import BodyHead
+from hyperfed.models.split import BodyHead, layer_prefixes
 
 
 @dataclass
@@ -83,10 +83,7 @@ class PartialFedParams:
 def local_mask(fm: FunctionalModel, local_layers: str) -> Tensor:
     """Bool ``[K]``: True where the strategy keeps the client's own layer (A^c_l = 0)."""
     tokens = PartialFedParams(local_layers).tokens()
-    prefixes = [t for t in tokens if t not in ("norm", "head")]
-    if "head" in tokens:
-        prefixes += list(getattr(fm.module, "head_prefixes", ("classifier",)))
-    mask = fm.layout.mask(prefixes)
+    mask = fm.layout.mask(layer_prefixes(fm, ",".join(t for t in tokens if t != "norm")))
     if "norm" in tokens:
         mask = mask | norm_mask(fm)
     return mask

@@ -88,7 +88,7 @@ from hyperfed.errors import ConfigError
 from hyperfed.hparams import Space
 from hyperfed.hypernet.multihead import MultiHeadHypernet, concat_chunks
 from hyperfed.models.layout import FunctionalModel
-from hyperfed.models.zoo import ZooNet, build_model
+from hyperfed.models.zoo import ClientNet, build_model
 
 CODE = "the authors' PeFLL code / FL-bench's port (the paper's text was not reachable here)"
 AUTHORS = "authors' code (pefllauthors/PeFLL, train.py / models.py)"
@@ -160,7 +160,7 @@ def with_labels(x: Tensor, y: Tensor, num_classes: int) -> Tensor:
     return torch.cat([x, onehot], dim=1)
 
 
-def embedding_net(name: str, input_shape: tuple[int, ...], num_classes: int, dim: int) -> ZooNet:
+def embedding_net(name: str, input_shape: tuple[int, ...], num_classes: int, dim: int) -> ClientNet:
     """phi: zoo model ``name`` on (sample, label) inputs with ``dim`` outputs."""
     return build_model(name, embedding_input_shape(input_shape, num_classes), dim)
 

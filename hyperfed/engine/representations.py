@@ -15,7 +15,13 @@ from hyperfed.models.layout import FunctionalModel
 
 Payload = dict[str, Tensor]
 KEYS = ("proto_classes", "protos")  # an upload: class ids [S] (-1: padding), representations
-HEADER = ("classifier.weight", "classifier.bias")
+
+
+def header_names(module: nn.Module) -> tuple[str, str]:
+    """The parameter names of the header, the model's last Linear (``classifier_prefix``:
+    ``classifier`` in the zoo, e.g. ``net.fc`` for a wrapped module)."""
+    prefix = getattr(module, "classifier_prefix", "classifier")
+    return (f"{prefix}.weight", f"{prefix}.bias")
 
 
 def shared_join_value(clients: dict[int, Payload], key: str, problem: str) -> int:
@@ -33,10 +39,15 @@ def representation_join(fm: FunctionalModel, num_samples: int, method: str) -> P
     module = fm.module
     dim = getattr(module, "feature_dim", None)
     head = getattr(module, "classifier", None)
-    if not isinstance(dim, int) or not isinstance(head, nn.Linear) or head.in_features != dim:
+    if (
+        not isinstance(dim, int)
+        or not isinstance(head, nn.Linear)
+        or head.in_features != dim
+        or head.bias is None
+    ):
         raise ConfigError(
-            f"clients.models: {method} needs a zoo model whose last layer is a Linear "
-            f"`classifier` on its representation; {fm.name} is not"
+            f"clients.models: {method} needs a model whose forward ends in an nn.Linear (with "
+            f"a bias) from its representation to the logits; {fm.name} has none"
         )
     return {
         "num_samples": torch.tensor(num_samples, dtype=torch.int64),
@@ -86,10 +97,10 @@ def minibatches(m: int, batch_size: int, seed: int, device: torch.device) -> lis
 
 @cache
 def header_index(fm: FunctionalModel) -> Tensor:
-    """Positions of the header (``classifier.weight`` row-major, then ``classifier.bias``) in
-    the model's flat vector."""
+    """Positions of the header (:func:`header_names`: the last Linear's weight row-major, then
+    its bias) in the model's flat vector."""
     segs = {s.name: s for s in fm.layout.segments}
-    idx = [torch.arange(segs[n].offset, segs[n].end) for n in HEADER]
+    idx = [torch.arange(segs[n].offset, segs[n].end) for n in header_names(fm.module)]
     return torch.cat(idx).to(fm.initial_params().device)
 
 

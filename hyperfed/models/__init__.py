@@ -3,9 +3,12 @@
 from hyperfed.models.zoo import (
     MODEL_REGISTRY,
     BasicBlock,
+    ClientNet,
     Fire,
     ModelEntry,
     ModelInputError,
+    ModelPartError,
+    ModuleNet,
     UnknownModelError,
     ZooNet,
     build_model,
@@ -13,14 +16,18 @@ from hyperfed.models.zoo import (
     describe_model,
     model_names,
     param_count,
+    register_model,
 )
 
 __all__ = [
     "MODEL_REGISTRY",
     "BasicBlock",
+    "ClientNet",
     "Fire",
     "ModelEntry",
     "ModelInputError",
+    "ModelPartError",
+    "ModuleNet",
     "UnknownModelError",
     "ZooNet",
     "build_model",
@@ -28,4 +35,5 @@ __all__ = [
     "describe_model",
     "model_names",
     "param_count",
+    "register_model",
 ]

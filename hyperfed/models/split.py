@@ -14,7 +14,42 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from hyperfed.models.adapter import ModelPartError
 from hyperfed.models.layout import FunctionalModel
+
+
+def head_prefixes(fm: FunctionalModel) -> tuple[str, ...]:
+    """The parameter-name prefixes of ``fm``'s head (``head_prefixes``; a model that declares
+    none: ``classifier``); a :class:`ModelPartError` for a wrapped module without a head."""
+    prefixes = tuple(getattr(fm.module, "head_prefixes", ("classifier",)))
+    if not prefixes:
+        raise ModelPartError(
+            f"model {fm.name!r} has no head for this method's body/head split: no nn.Linear "
+            "giving the logits is called last in its forward; name its head with "
+            f"hyperfed.register_model({fm.name!r}, factory, head='<submodule>')"
+        )
+    return prefixes
+
+
+def layer_prefixes(fm: FunctionalModel, spec: str) -> tuple[str, ...]:
+    """Comma-separated parameter-name prefixes, where ``head`` is the model's head
+    (:func:`head_prefixes`) and ``classifier`` its last Linear (``classifier_prefix``: the
+    zoo's ``classifier``, ``net.fc`` for a wrapped module whose last Linear is ``fc``)."""
+    out: list[str] = []
+    for token in (t.strip() for t in spec.split(",")):
+        if token == "head":
+            out += head_prefixes(fm)
+        elif token == "classifier":
+            prefix = getattr(fm.module, "classifier_prefix", "classifier")
+            if prefix is None:
+                raise ModelPartError(
+                    f"model {fm.name!r} has no classifier: no nn.Linear giving the logits is "
+                    "called last in its forward; name its layers by parameter-name prefix"
+                )
+            out.append(f"{prefix}.")
+        elif token:
+            out.append(token)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -27,11 +62,13 @@ class BodyHead:
 
     @classmethod
     def of(cls, fm: FunctionalModel, device: torch.device | None = None) -> BodyHead:
-        prefixes = tuple(getattr(fm.module, "head_prefixes", ("classifier",)))
+        prefixes = head_prefixes(fm)
         head = fm.layout.mask(prefixes)
         if not bool(head.any()) or bool(head.all()):
-            raise ValueError(
-                f"{fm.name}: head_prefixes {prefixes} must select some but not all parameters"
+            part = "no body: its head is the whole model" if bool(head.any()) else "an empty head"
+            raise ModelPartError(
+                f"model {fm.name!r} has {part} (head {', '.join(prefixes)}); a body/head method "
+                "needs parameters on both sides"
             )
         body_idx = torch.nonzero(~head).squeeze(1)
         head_idx = torch.nonzero(head).squeeze(1)

@@ -41,14 +41,18 @@ from torch import Tensor, nn
 
 from hyperfed import plugins
 from hyperfed.errors import HyperfedError
+from hyperfed.models.adapter import ClientNet, ModelFactory, ModelPartError, ModuleNet
 from hyperfed.registry import Registry
 
 __all__ = [
     "MODEL_REGISTRY",
     "BasicBlock",
+    "ClientNet",
     "Fire",
     "ModelEntry",
     "ModelInputError",
+    "ModelPartError",
+    "ModuleNet",
     "UnknownModelError",
     "ZooNet",
     "build_model",
@@ -56,6 +60,7 @@ __all__ = [
     "describe_model",
     "model_names",
     "param_count",
+    "register_model",
 ]
 
 
@@ -75,7 +80,7 @@ class UnknownModelError(HyperfedError, KeyError, ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-class ZooNet(nn.Module):
+class ZooNet(ClientNet):
     """``features`` -> ``fc`` (hidden Linear + ReLU layers) -> ``classifier`` (last Linear).
 
     ``feature_dim`` is the size of the flat input of ``classifier``; ``head_prefixes`` are the
@@ -83,6 +88,8 @@ class ZooNet(nn.Module):
     """
 
     head_prefixes: tuple[str, ...]
+    feature_dim: int
+    classifier_prefix = "classifier"
 
     def __init__(
         self,
@@ -500,14 +507,18 @@ def squeezenet(in_shape: tuple[int, ...], num_classes: int, *, version: str) -> 
 class ModelEntry:
     """How to build one architecture, and which inputs it accepts.
 
+    ``builder``: ``(input shape, num_classes) -> nn.Module`` (a :class:`ZooNet`, or any module:
+    it is wrapped in a :class:`~hyperfed.models.adapter.ModuleNet`).
     ``min_side``: the smallest height and width (each) the model runs on.
     ``accepts_vector``: whether a flat ``(D,)`` input shape is accepted besides ``(C, H, W)``.
+    ``head``: for a wrapped module, the name of its head submodule (None: its last Linear).
     """
 
-    builder: Callable[[tuple[int, ...], int], ZooNet]
+    builder: ModelFactory
     description: str
     min_side: int
     accepts_vector: bool = False
+    head: str | None = None
 
 
 MODEL_REGISTRY: dict[str, ModelEntry] = {
@@ -570,12 +581,12 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
 
 def _plugin_model(plugin: plugins.Plugin) -> list[tuple[str, ModelEntry]]:
     """A ``hyperfed.models`` entry point: a :class:`ModelEntry`, or a builder
-    ``(in_shape, num_classes) -> ZooNet`` (then any input shape is passed to it)."""
+    ``(in_shape, num_classes) -> nn.Module`` (then any input shape is passed to it)."""
     value = plugin.value
     if isinstance(value, ModelEntry):
         return [(plugin.name, value)]
     if not callable(value):
-        raise TypeError(f"expected a builder (in_shape, num_classes) -> ZooNet; got {value!r}")
+        raise TypeError(f"expected a builder (in_shape, num_classes) -> nn.Module; got {value!r}")
     doc = (getattr(value, "__doc__", None) or "").strip().splitlines()
     what = doc[0] if doc else plugin.target
     return [(plugin.name, ModelEntry(value, f"{what} (plugin: {plugin.package})", 1, True))]
@@ -633,17 +644,55 @@ def check_input(name: str, in_shape: tuple[int, ...]) -> None:
         raise ModelInputError(f"{need}; got {shape[1]}x{shape[2]}")
 
 
-def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> ZooNet:
-    """Build model ``name`` for samples of shape ``in_shape`` and ``num_classes`` outputs."""
+def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> ClientNet:
+    """Build model ``name`` for samples of shape ``in_shape`` and ``num_classes`` outputs (a
+    plain ``nn.Module`` from a plugin's or a user's factory comes wrapped in a
+    :class:`~hyperfed.models.adapter.ModuleNet`)."""
     check_input(name, in_shape)
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes must be a positive int; got {num_classes!r}")
     shape = tuple(operator.index(d) for d in in_shape)
-    model = _entry(name).builder(shape, num_classes)
-    if not isinstance(model, ZooNet):  # a plugin's builder
+    entry = _entry(name)
+    model = entry.builder(shape, num_classes)
+    if isinstance(model, ClientNet):  # a zoo model, or one that keeps the contract itself
+        if entry.head is not None and not isinstance(model, ModuleNet):
+            raise ModelPartError(
+                f"model {name!r}: head= names a plain module's head; {type(model).__name__} "
+                "declares its own (head_prefixes)"
+            )
+    elif isinstance(model, nn.Module):  # a plain module from a plugin's or a user's factory
+        model = ModuleNet(model, shape, num_classes, head=entry.head, name=name)
+    else:
         raise plugins.PluginError(
             f"model {name!r}: its builder returned {type(model).__name__}, not a "
-            "hyperfed.models.zoo.ZooNet (features, fc, classifier); wrap the network in ZooNet"
+            "torch.nn.Module; a model factory is (input_shape, num_classes) -> nn.Module"
         )
     model.arch = name
     return model
+
+
+def register_model(
+    name: str,
+    factory: ModelFactory,
+    *,
+    head: str | None = None,
+    description: str | None = None,
+    min_side: int = 1,
+) -> str:
+    """Add a model to this process's registry (``hyperfed.register_model``): ``clients.models
+    = name`` then builds ``factory(input_shape, num_classes)``, any ``nn.Module`` whose forward
+    maps a batch ``[B, *input_shape]`` to logits ``[B, num_classes]``.
+
+    ``head`` names the submodule a body/head method keeps personal (default: the last
+    ``nn.Linear`` the forward calls; :mod:`hyperfed.models.adapter`). ``min_side``: the
+    smallest image height / width it runs on. Registering a name again replaces this process's
+    earlier registration; a built-in or plugin model's name is refused. Worker processes
+    (``local.workers`` > 1) do not see it. Returns ``name``."""
+    if not callable(factory):
+        raise TypeError(f"register_model({name!r}, ...): factory must be callable; got {factory!r}")
+    if description is None:
+        doc = (getattr(factory, "__doc__", None) or "").strip().splitlines()
+        label = getattr(factory, "__qualname__", type(factory).__name__)
+        description = f"{doc[0] if doc else label} (registered in Python)"
+    MODELS.add(name, ModelEntry(factory, description, min_side, True, head))
+    return name
