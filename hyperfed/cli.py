@@ -538,14 +538,6 @@ def reproduce(
         ),
     ] = False,
     trials: Annotated[int, typer.Option(help="Tuning trials per method (--tuned).")] = 12,
-    dry_run: Annotated[
-        bool,
-        typer.Option(
-            "--dry-run",
-            help="Print the runs (and what the folder holds) and an estimate of their time on "
-            "this machine from a short probe of each method; run nothing.",
-        ),
-    ] = False,
 ) -> None:
     """Run a paper table's comparison and print it beside the paper's figures."""
     from hyperfed.report import run_algorithm, run_summary, write_report
@@ -553,9 +545,7 @@ def reproduce(
         TARGETS,
         chosen_methods,
         compare,
-        dry_run_lines,
         get_target,
-        list_estimate,
         markdown,
         runs_method,
         sweep_args,
@@ -564,21 +554,9 @@ def reproduce(
     from hyperfed.sweep import run_sweep, sweep_runs
 
     if list_targets or target is None:
-        table = Table("target", "what", "methods", "config", "scales", "runs", "estimate")
-        table.caption = (
-            "runs: methods x 3 seeds; estimate: on this machine, one at a time, as the last "
-            "--dry-run of the target probed it (per scale)"
-        )
+        table = Table("target", "what", "methods", "config", "scales")
         for t in TARGETS.values():
-            table.add_row(
-                t.key,
-                t.title,
-                ", ".join(t.methods),
-                t.config,
-                ", ".join(t.scales()),
-                f"{3 * len(t.methods)}",
-                escape(list_estimate(t, out)),
-            )
+            table.add_row(t.key, t.title, ", ".join(t.methods), t.config, ", ".join(t.scales()))
         console.print(table)
         if target is None:
             return
@@ -596,11 +574,6 @@ def reproduce(
 
             require_optuna()  # before the default sweep, not after it
         folder = out / f"{t.key.replace(':', '-')}-{scale}"
-        if dry_run:
-            lines = dry_run_lines(t, scale, configs, folder, chosen, seed_list, tuned, trials)
-            for line in lines:
-                say(line)
-            return
         with progress_with_last(t.key, eta=False) as progress:
             task = progress.add_task("runs", total=None, last="")
 
