@@ -20,6 +20,7 @@ from torch import nn
 
 import hyperfed
 from hyperfed.algorithms import ALGORITHMS, get_algorithm
+from hyperfed.engine.representations import header_index, representation_join
 from hyperfed.errors import ConfigError, HyperfedError
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.split import body_head
@@ -181,6 +182,21 @@ def test_a_plain_module_trains_under_fedavg_fedper_fedrep_with_its_last_linear_p
     # FedRep's head_layers = "classifier" is the module's last Linear, whatever its name
     assert runs["fedrep"].final["bytes_up_per_client"] == 4 * (TWO_LAYER_PARAMS - TWO_LAYER_HEAD)
     assert runs["fedper"].client_arch == ("two_layer",) * 3
+
+
+def test_the_classifier_is_the_header_that_fedgh_fedtgp_and_fedrod_share():
+    """The wrapper keeps the module's parameter order (``fc`` was registered first): the
+    header, weight row-major then bias, is the first 16 * 10 + 10 entries of theta."""
+    hyperfed.register_model("two_layer", TwoLayer)
+    fm = FunctionalModel(build_model("two_layer", DIGITS, 10), "two_layer")
+    assert fm.layout.names == [
+        "net.fc.weight",
+        "net.fc.bias",
+        "net.body.1.weight",
+        "net.body.1.bias",
+    ]
+    assert torch.equal(header_index(fm), torch.arange(TWO_LAYER_HEAD))
+    assert int(representation_join(fm, 5, "fedgh")["feature_dim"]) == 16
 
 
 def test_run_takes_a_model_factory_directly():
