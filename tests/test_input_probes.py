@@ -357,3 +357,15 @@ def test_a_flower_checkpoint_on_a_full_disk_keeps_the_last_one_and_goes_on(
     assert "previous checkpoint is kept" in caplog.records[0].getMessage()
     state = RunDir(tmp_path).load_checkpoint()
     assert state is not None and state["round"] == 1
+
+
+def test_the_config_page_states_the_bounds() -> None:
+    from hyperfed import config
+    from hyperfed.data import sources
+
+    text = (Path(__file__).parent.parent / "docs" / "config.md").read_text()
+    for bound in (config.MAX_ROUNDS, config.MAX_EPOCHS, config.MAX_BATCH, sources.MAX_CLASSES):
+        assert f"1 to {bound:,}" in text or f"{bound:,}" in text, bound
+    assert f"1 to {config.MAX_WORKERS}" in text and f"{sources.MAX_IMAGE_SIDE} pixels" in text
+    assert config.MAX_SAMPLES == 10**12 and config.MAX_HPARAM_INT == 10**9
+    assert "10^12" in text and "0 to 10^9" in text
