@@ -47,11 +47,12 @@ app = typer.Typer(
 app.add_typer(flower_cli, name="flower")
 
 
-def progress_with_last(label: str, eta: bool = True) -> Progress:
-    """The bar of a long batch of jobs (sweep runs, tuning trials, reproduce): ``label``, done
-    of total, the last finished job (the task's ``last`` field), elapsed time and an ETA."""
+def progress_with_last(eta: bool = True) -> Progress:
+    """The bar of a long batch of jobs (sweep runs, tuning trials, reproduce): its task's
+    description (the batch's label; a running run's name under it, :func:`live_runs`), done of
+    total, the last finished job (the task's ``last`` field), elapsed time and an ETA."""
     columns = [
-        TextColumn(f"[bold blue]{label}"),
+        TextColumn("[bold blue]{task.description}"),
         MofNCompleteColumn(),
         BarColumn(),
         TextColumn("{task.fields[last]}", markup=False),
@@ -60,6 +61,30 @@ def progress_with_last(label: str, eta: bool = True) -> Progress:
     if eta:
         columns += [TextColumn("eta"), TimeRemainingColumn()]
     return Progress(*columns, console=console)
+
+
+def live_runs(progress: Progress, label: str) -> Callable[[dict[str, Any]], None]:
+    """A sweep's ``on_running``: one line per running run under the batch's bar (its round of
+    rounds, mean accuracy and ETA from its own clock: ``sweep.live_run``), gone when the run
+    ends; off a terminal a plain ``<label>: <run>: round ...`` line whenever a run's round
+    moves."""
+    tasks: dict[str, Any] = {}
+    shown: dict[str, int] = {}
+
+    def update(live: dict[str, Any]) -> None:
+        for name in [n for n in tasks if n not in live]:
+            progress.remove_task(tasks.pop(name))
+            shown.pop(name, None)
+        for name, run in live.items():
+            if name not in tasks:
+                tasks[name] = progress.add_task(f"  └ {escape(name)}", total=run.rounds, last="")
+            rest = run.line().split(", ", 1)[1]  # the bar shows the round
+            progress.update(tasks[name], completed=run.round, last=rest)
+            if not console.is_terminal and shown.get(name) != run.round:
+                shown[name] = run.round
+                say(f"{label}: {name}: {run.line()}")
+
+    return update
 
 
 @app.command()
@@ -398,8 +423,8 @@ def tune(
         fail(str(e))
         return
     say(f"tuning on the validation split: {', '.join(space)}")
-    with progress_with_last("tune") as progress:
-        task = progress.add_task("trials", total=trials, last="")
+    with progress_with_last() as progress:
+        task = progress.add_task("tune", total=trials, last="")
 
         def on_progress(done: int, total: int, line: str) -> None:
             progress.update(task, completed=done, total=total, last=line)
@@ -468,8 +493,8 @@ def sweep(
         fail(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2")
     if out.exists() and not out.is_dir():
         fail(f"--out {out} is a file; choose a folder for the sweep")
-    with progress_with_last("sweep") as progress:
-        task = progress.add_task("runs", total=None, last="")
+    with progress_with_last() as progress:
+        task = progress.add_task("sweep", total=None, last="")
 
         def on_progress(ended: int, total: int, line: str) -> None:
             progress.update(task, completed=ended, total=total, last=line)
@@ -486,6 +511,7 @@ def sweep(
                 threads=threads,
                 on_progress=on_progress,
                 drop_checkpoints=drop_checkpoints,
+                on_running=live_runs(progress, "sweep"),
             )
         except HyperfedError as e:
             fail(str(e))
@@ -538,6 +564,14 @@ def reproduce(
         ),
     ] = False,
     trials: Annotated[int, typer.Option(help="Tuning trials per method (--tuned).")] = 12,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the runs (and what the folder holds) and an estimate of their time on "
+            "this machine from a short probe of each method; run nothing.",
+        ),
+    ] = False,
 ) -> None:
     """Run a paper table's comparison and print it beside the paper's figures."""
     from hyperfed.report import run_algorithm, run_summary, write_report
@@ -545,7 +579,9 @@ def reproduce(
         TARGETS,
         chosen_methods,
         compare,
+        dry_run_lines,
         get_target,
+        list_estimate,
         markdown,
         runs_method,
         sweep_args,
@@ -554,9 +590,21 @@ def reproduce(
     from hyperfed.sweep import run_sweep, sweep_runs
 
     if list_targets or target is None:
-        table = Table("target", "what", "methods", "config", "scales")
+        table = Table("target", "what", "methods", "config", "scales", "runs", "estimate")
+        table.caption = (
+            "runs: methods x 3 seeds; estimate: on this machine, one at a time, as the last "
+            "--dry-run of the target probed it (per scale)"
+        )
         for t in TARGETS.values():
-            table.add_row(t.key, t.title, ", ".join(t.methods), t.config, ", ".join(t.scales()))
+            table.add_row(
+                t.key,
+                t.title,
+                ", ".join(t.methods),
+                t.config,
+                ", ".join(t.scales()),
+                f"{3 * len(t.methods)}",
+                escape(list_estimate(t, out)),
+            )
         console.print(table)
         if target is None:
             return
@@ -574,8 +622,13 @@ def reproduce(
 
             require_optuna()  # before the default sweep, not after it
         folder = out / f"{t.key.replace(':', '-')}-{scale}"
-        with progress_with_last(t.key, eta=False) as progress:
-            task = progress.add_task("runs", total=None, last="")
+        if dry_run:
+            lines = dry_run_lines(t, scale, configs, folder, chosen, seed_list, tuned, trials)
+            for line in lines:
+                say(line)
+            return
+        with progress_with_last(eta=False) as progress:
+            task = progress.add_task(t.key, total=None, last="")
 
             def on_progress(ended: int, total: int, line: str) -> None:
                 progress.update(task, completed=ended, total=total, last=line)
@@ -588,6 +641,7 @@ def reproduce(
                 parallel=parallel,
                 on_progress=on_progress,
                 only=runs_method(chosen),
+                on_running=live_runs(progress, t.key),
             )
         # the default sweep's runs (one level down; --tuned's are under tuned/<method>/)
         runs = [
@@ -595,8 +649,8 @@ def reproduce(
         ]
         default = compare(t, [run_summary(r) for r in runs], chosen)
         if tuned:
-            with progress_with_last(f"{t.key} tuned", eta=False) as progress:
-                task = progress.add_task("tune", total=None, last="")
+            with progress_with_last(eta=False) as progress:
+                task = progress.add_task(f"{t.key} tuned", total=None, last="")
 
                 def on_tune(done: int, total: int, line: str) -> None:
                     progress.update(task, completed=done, total=total, last=line)

@@ -17,7 +17,7 @@ are what is checked.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -601,3 +601,182 @@ def _table(target: Target, result: dict[str, Any]) -> list[str]:
     lines += ["| the paper reports | here |", "|---|---|"]
     lines += [f"| {c['claim']} | {c['verdict']} |" for c in result["checks"]]
     return lines
+
+
+# ``reproduce --dry-run`` writes the probe's seconds per run here (in the target's folder);
+# ``reproduce --list`` reads it back instead of probing every target again
+ESTIMATE = "estimate.json"
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run a ``reproduce`` call would make: its name (``tuned/<method>/...`` for a tuned
+    one, ``tune/<method>`` for a study's trials), method, state (``new``, ``partial``: a
+    checkpoint to resume, ``done``; a study: ``k of n trials``) and how many runs' time it
+    stands for (a study: its trials not yet run)."""
+
+    name: str
+    method: str
+    state: str
+    runs: int = 1
+
+
+def planned_runs(
+    target: Target,
+    scale: str,
+    configs: Path,
+    folder: Path,
+    methods: tuple[str, ...],
+    seeds: list[int],
+    tuned: bool = False,
+    trials: int = 0,
+) -> list[PlannedRun]:
+    """The runs ``reproduce`` would make, with what the folder already holds: the default
+    sweep's methods x seeds; with ``tuned``, each method's study (``trials`` trials) and its
+    seeds run with the best values."""
+    from hyperfed.config import load_config
+    from hyperfed.sweep import expand, parse_axes, run_state
+
+    config, sets = sweep_args(target, scale, configs)
+    out = []
+    for p in expand(parse_axes(sets), seeds):
+        if runs_method(methods)(p):
+            rounds = load_config(config, list(p.sets)).rounds
+            out.append(PlannedRun(p.name, _method(p.sets), run_state(folder / p.name, rounds)))
+    if tuned:
+        for m in methods:
+            done = _trials_ended(folder / "tune" / m)
+            state = f"{min(done, trials)} of {trials} trials"
+            out.append(PlannedRun(f"tune/{m}", m, state, max(0, trials - done)))
+            for seed in seeds:
+                name = f"tuned/{m}/seed={seed}"
+                state = "done" if (folder / name / "metrics.jsonl").exists() else "new"
+                out.append(PlannedRun(name, m, state))
+    return out
+
+
+def _method(sets: tuple[str, ...]) -> str:
+    return next(s.split("=", 1)[1] for s in sets if s.startswith("algorithm.name="))
+
+
+def _trials_ended(study: Path) -> int:
+    """Trials a study folder's ``trials.json`` holds as ended (0 without one)."""
+    import json
+
+    path = study / "trials.json"
+    if not path.exists():
+        return 0
+    trials = json.loads(path.read_text())
+    return sum(t["state"] in ("COMPLETE", "PRUNED") or "error" in t for t in trials)
+
+
+def probe_run_seconds(
+    target: Target, scale: str, configs: Path, method: str
+) -> tuple[float, list[Any]]:
+    """Seconds one of ``method``'s runs of ``target`` at ``scale`` will take on this machine
+    (seed 0's federation), with the phases it is made of: ``Simulation.estimate``, the timed
+    probes ``hyperfed run`` prints its heavy phases from. Builds the federation (its data must
+    be there) and runs a few rounds."""
+    from hyperfed.config import load_config
+    from hyperfed.runtime.simulate import Simulation
+
+    config, sets = sweep_args(target, scale, configs)
+    cfg = load_config(config, [f"algorithm.name={method}", *sets[1:], "seed=0"])
+    sim = Simulation(cfg)
+    try:
+        costs = sim.estimate()
+    finally:
+        sim.close()
+    return sum(c.seconds for c in costs), costs
+
+
+def recorded_estimate(folder: Path) -> dict[str, float]:
+    """Seconds per run by method, as the last ``--dry-run`` probed them in ``folder``."""
+    import json
+
+    path = folder / ESTIMATE
+    return dict(json.loads(path.read_text())["seconds_per_run"]) if path.exists() else {}
+
+
+def record_estimate(folder: Path, seconds: dict[str, float]) -> None:
+    """Keep the probed seconds per run (merged with earlier ones) for ``--list``."""
+    import json
+    from datetime import datetime
+
+    merged = recorded_estimate(folder) | seconds
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"probed": datetime.now().isoformat(timespec="seconds"), "seconds_per_run": merged}
+    (folder / ESTIMATE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def list_estimate(target: Target, out: Path, seeds: int = 3) -> str:
+    """``--list``'s estimate of a target's full table (every method x ``seeds`` seeds), per
+    scale a ``--dry-run`` probed (its ``estimate.json``), without probing anything."""
+    from hyperfed.progress import duration
+
+    cells = []
+    for scale in target.scales():
+        rec = recorded_estimate(out / f"{target.key.replace(':', '-')}-{scale}")
+        probed = [m for m in target.methods if m in rec]
+        if probed:
+            total = duration(sum(rec[m] for m in probed) * seeds)
+            part = "" if len(probed) == len(target.methods) else " (probed methods only)"
+            cells.append(f"{scale}: {total}{part}")
+    return ", ".join(cells) or "--dry-run probes it"
+
+
+def dry_run_lines(
+    target: Target,
+    scale: str,
+    configs: Path,
+    folder: Path,
+    methods: tuple[str, ...],
+    seeds: list[int],
+    tuned: bool = False,
+    trials: int = 0,
+) -> Iterator[str]:
+    """``reproduce --dry-run``: the runs it would make (and what ``folder`` holds already),
+    then each method's probed seconds a run and the total for the runs left to make, line by
+    line as the probes finish. Runs nothing but the probes; records their seconds for
+    ``--list`` (:func:`record_estimate`)."""
+    from hyperfed.progress import duration
+
+    plan = planned_runs(target, scale, configs, folder, methods, seeds, tuned, trials)
+    default = [r for r in plan if "/" not in r.name]
+    left = [r for r in plan if r.state != "done" and r.runs]
+    yield (
+        f"{target.key} ({scale} scale) in {folder}: {len(methods)} methods x {len(seeds)} "
+        f"seeds = {len(default)} runs"
+        + (f", and {trials} tuning trials + {len(seeds)} tuned runs per method" if tuned else "")
+    )
+    for r in plan:
+        yield f"  {r.name}: {r.state}"
+    yield (
+        "estimate: a short probe of one run per method on this machine (seed 0's federation: "
+        "a few rounds timed, the heavy phases as hyperfed run estimates them)"
+    )
+    seconds: dict[str, float] = {}
+    total, unknown = 0.0, []
+    for m in methods:
+        todo = sum(r.runs for r in left if r.method == m)
+        try:
+            per, costs = probe_run_seconds(target, scale, configs, m)
+        except Exception as e:  # missing data, or a method that cannot run: said, not raised
+            unknown.append(m)
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            yield f"  {m}: cannot probe: {why}"
+            continue
+        seconds[m] = per
+        total += per * todo
+        parts = ", ".join(f"{c.what} {duration(c.seconds)}" for c in costs)
+        yield f"  {m}: {duration(per)} a run ({parts}) x {todo} to run = {duration(per * todo)}"
+    if seconds:
+        record_estimate(folder, seconds)
+    runs_left = sum(r.runs for r in left)
+    upper = " at most (a pruned trial stops early)" if tuned else ""
+    missing = f"; not counted: {', '.join(unknown)}" if unknown else ""
+    yield (
+        f"total: about {duration(total)}{upper} for the {runs_left} runs left, one at a time "
+        f"on this machine{missing}"
+    )
+    yield "nothing was run (--dry-run); the same command without --dry-run runs them"

@@ -27,6 +27,8 @@ from hyperfed.errors import HyperfedError
 from hyperfed.runtime.rundir import CHECKPOINT, read_metrics
 
 MANIFEST = "sweep.json"
+# live_run reads this much of a running run's metrics.jsonl, from its end (the last record)
+TAIL_BYTES = 1 << 18
 
 
 class SweepError(HyperfedError, ValueError):
@@ -139,6 +141,7 @@ def run_sweep(
     on_progress: Callable[[int, int, str], None] | None = None,
     only: Callable[[SweepPoint], bool] | None = None,
     drop_checkpoints: bool = False,
+    on_running: Callable[[dict[str, LiveRun]], None] | None = None,
 ) -> SweepResult:
     """Run (or resume) the sweep in ``out``. A second call with another grid is refused
     (a sweep folder holds one grid); with no ``sets``/``config`` it resumes the stored one.
@@ -148,7 +151,9 @@ def run_sweep(
     runs an earlier call finished: a grid of hundreds of runs otherwise keeps a model state per
     run and client on disk. ``on_progress(ended, total, line)`` is called once before the
     first run (``line`` empty) and after each run ends, ``line`` saying which and how:
-    ``<name> finished`` or ``<name> failed`` (its error is in the result's ``failed``)."""
+    ``<name> finished`` or ``<name> failed`` (its error is in the result's ``failed``).
+    ``on_running({name: LiveRun})`` gets every running run's last record (round, accuracy,
+    ETA: :func:`live_run`, read from its ``metrics.jsonl``) about once a second."""
     if parallel < 1:
         raise SweepError(f"--parallel {parallel}: run at least 1 at a time")
     stored = load_manifest(out)
@@ -198,6 +203,7 @@ def run_sweep(
         raise KeyboardInterrupt  # SIGTERM: stop the runs too, so a resume finds them whole
 
     previous = signal.signal(signal.SIGTERM, stop)
+    polled = 0.0
     try:
         while queue or running:
             while queue and len(running) < parallel:
@@ -216,11 +222,15 @@ def run_sweep(
                     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
                 running.append((p, proc, log))
             time.sleep(0.2)
+            if on_running is not None and time.monotonic() - polled >= 1.0:
+                polled = time.monotonic()
+                on_running({p.name: live_run(out / p.name, rounds[p.name]) for p, _, _ in running})
             for item in list(running):
                 p, proc, log = item
                 if proc.poll() is None:
                     continue
                 running.remove(item)
+                polled = 0.0  # the live lines drop it at the next poll
                 finished += 1
                 if proc.returncode == 0:
                     result.done.append(p.name)
@@ -233,6 +243,8 @@ def run_sweep(
                 if on_progress:
                     outcome = "finished" if proc.returncode == 0 else "failed"
                     on_progress(finished, total, f"{p.name} {outcome}")
+        if on_running is not None:
+            on_running({})  # no run left
     except KeyboardInterrupt:
         for _, proc, _ in running:
             proc.terminate()
@@ -242,6 +254,50 @@ def run_sweep(
     finally:
         signal.signal(signal.SIGTERM, previous)
     return result
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    """A running run's progress, from its last metrics record: the round (0 before the
+    first record), of ``rounds``, its mean accuracy and the ETA from its own clock."""
+
+    round: int
+    rounds: int
+    mean_acc: float | None = None
+    eta_s: float | None = None
+
+    def line(self) -> str:
+        """``round 12/60, mean acc 0.8123, eta 2 min 10 s`` (``starting`` before a record)."""
+        from hyperfed.progress import duration
+
+        if not self.round:
+            return f"round 0/{self.rounds}, starting"
+        acc = "n/a" if self.mean_acc is None else f"{self.mean_acc:.4f}"
+        eta = "" if self.eta_s is None else f", eta {duration(self.eta_s)}"
+        return f"round {self.round}/{self.rounds}, mean acc {acc}{eta}"
+
+
+def live_run(run_dir: Path, rounds: int) -> LiveRun:
+    """The progress of the run writing ``run_dir`` (a subprocess of the sweep): its last
+    complete metrics record, read from the file's tail. The ETA is the run's seconds per round
+    so far (its ``seconds``, which go on across a resume) times the rounds left."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+            tail = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return LiveRun(0, rounds)
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+            rnd = int(record["round"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by the writer, or by the tail's start
+        seconds = record.get("seconds")
+        eta = seconds / rnd * max(rounds - rnd, 0) if seconds and rnd else None
+        return LiveRun(rnd, rounds, record.get("mean_acc"), eta)
+    return LiveRun(0, rounds)
 
 
 def checkpoint_bytes(out: Path) -> int:

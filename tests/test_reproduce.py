@@ -3,6 +3,7 @@ own numbers claim, and each is judged on our means over seeds."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,99 @@ def test_a_held_out_client_run_plateaus_only_if_its_training_phase_did(tmp_path:
     # without adapt_rounds the same records are judged on their own last window (frozen: flat)
     (tmp_path / "config.toml").write_text('[algorithm]\nname = "pefll"\n')
     assert write({39: 0.80, 42: 0.80, 45: 0.84, 48: 0.84})["converged"]
+
+
+TINY_CONFIG = """device = "cpu"
+rounds = 2
+eval_every = 1
+[dataset]
+name = "digits"
+subsample = 200
+[clients]
+count = 3
+models = "mlp"
+[local]
+epochs = 1
+"""
+
+
+def test_dry_run_lists_the_runs_and_estimates_them_from_a_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 56 item 4: ``--dry-run`` names every run (methods x seeds) with what the folder
+    holds, then each method's probed seconds a run times its runs left, and the total; it runs
+    nothing. The probe stands in: FedAvg 20 + 1 s a run, Local 40 + 2 s. ``--list`` then shows
+    the full table's estimate (3 seeds: (21 + 42) x 3 = 189 s) without probing."""
+    from hyperfed import reproduce
+    from hyperfed.progress import PhaseCost
+    from hyperfed.reproduce import list_estimate
+    from hyperfed.runtime.simulate import Simulation
+
+    def estimate(self: Simulation) -> list[PhaseCost]:
+        slow = 2.0 if self.cfg.algorithm.name == "local" else 1.0
+        return [PhaseCost("2 rounds of training", 20 * slow), PhaseCost("2 evaluations", slow)]
+
+    monkeypatch.setattr(Simulation, "estimate", estimate)
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "tiny.toml").write_text(TINY_CONFIG)
+    target = Target("9:d", "toy", "tiny.toml", ("fedavg", "local"), ("local",))
+    monkeypatch.setitem(reproduce.TARGETS, target.key, target)
+    folder = tmp_path / "r" / "9-d-cpu"
+    done = folder / "algorithm.name=fedavg,seed=0"  # finished by an earlier call
+    done.mkdir(parents=True)
+    accs = {k: 0.5 for k in ("mean_acc", "weighted_acc", "min_acc", "max_acc", "std_acc")}
+    (done / "metrics.jsonl").write_text(json.dumps({"round": 2, **accs}) + "\n")
+    args = ["reproduce", "9:d", "--seeds", "0,1", "--dry-run", "--out", str(tmp_path / "r")]
+    result = CliRunner().invoke(app, [*args, "--configs", str(configs)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == f"9:d (cpu scale) in {folder}: 2 methods x 2 seeds = 4 runs"
+    assert lines[1:5] == [
+        "  algorithm.name=fedavg,seed=0: done",
+        "  algorithm.name=fedavg,seed=1: new",
+        "  algorithm.name=local,seed=0: new",
+        "  algorithm.name=local,seed=1: new",
+    ]
+    assert lines[6:] == [
+        "  fedavg: 21 s a run (2 rounds of training 20 s, 2 evaluations 1 s) x 1 to run = 21 s",
+        "  local: 42 s a run (2 rounds of training 40 s, 2 evaluations 2 s) x 2 to run = "
+        "1 min 24 s",
+        "total: about 1 min 45 s for the 3 runs left, one at a time on this machine",
+        "nothing was run (--dry-run); the same command without --dry-run runs them",
+    ]
+    assert sorted(p.name for p in folder.iterdir()) == [done.name, "estimate.json"]
+    assert list_estimate(target, tmp_path / "r") == "cpu: 3 min 09 s"
+    assert list_estimate(TOY, tmp_path / "r") == "--dry-run probes it"
+    listing = CliRunner().invoke(app, ["reproduce", "--list"])
+    assert listing.exit_code == 0 and "estimate" in listing.output
+
+
+def test_the_run_estimate_probes_rounds_and_counts_evaluations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Simulation.estimate``: the rounds through the distillation probe's ``timed_probe``
+    (asked for all 5 rounds), one evaluation timed x 3 (rounds 2, 4 and the last); a method with
+    a heavy phase every round (FedDM's distillation) is estimated by that phase instead."""
+    import hyperfed.distill.synthesis as synthesis
+    from hyperfed.config import load_config
+    from hyperfed.progress import PhaseCost
+    from hyperfed.runtime.simulate import Simulation
+
+    asked: list[int] = []
+
+    def probe(run, iters: int, budget_s: float = 0.5) -> float:  # type: ignore[no-untyped-def]
+        run(1)  # one round really runs
+        asked.append(iters)
+        return 7.0
+
+    monkeypatch.setattr(synthesis, "timed_probe", probe)
+    (tmp_path / "tiny.toml").write_text(TINY_CONFIG)
+    cfg = load_config(tmp_path / "tiny.toml", ["rounds=5", "eval_every=2"])
+    costs = Simulation(cfg).estimate()
+    assert asked == [5] and costs[0] == PhaseCost("5 rounds of training", 7.0)
+    assert costs[1].what == "3 evaluations" and len(costs) == 2
+    heavy = PhaseCost("distillation every round", 3.0, per_round=True)
+    monkeypatch.setattr(Simulation, "heavy_phases", lambda self: [heavy])
+    costs = Simulation(cfg).estimate()
+    assert asked == [5] and costs[0] == heavy and costs[1].what == "3 evaluations"

@@ -279,3 +279,65 @@ def test_report_prints_the_over_seeds_table_and_writes_inside_its_first_input(
     forced = CliRunner().invoke(app, ["report", str(sweep), "--force"], env={"COLUMNS": "250"})
     assert forced.exit_code == 0, forced.output
     assert "| 3 (0, 1, 2) |" in report.read_text()
+
+
+def test_a_running_run_s_live_line_is_its_last_record_with_an_eta(tmp_path: Path) -> None:
+    """Round 2 of 5 recorded at 20 s on the run's clock: 10 s a round, 3 rounds left, eta 30 s;
+    a line cut by the writer is skipped; no metrics yet: starting."""
+    from hyperfed.sweep import LiveRun, live_run
+
+    run = tmp_path / "run"
+    assert live_run(run, 5) == LiveRun(0, 5) and live_run(run, 5).line() == "round 0/5, starting"
+    run.mkdir()
+    rows = [{"round": 1, "mean_acc": 0.4, "seconds": 10.0}, {"round": 2, "mean_acc": 0.6}]
+    rows[1]["seconds"] = 20.0
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"round": 3, "mean_a'
+    (run / "metrics.jsonl").write_text(text)
+    live = live_run(run, 5)
+    assert live == LiveRun(2, 5, 0.6, 30.0)
+    assert live.line() == "round 2/5, mean acc 0.6000, eta 30 s"
+
+
+def test_sweep_shows_a_live_line_per_running_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 56 item 4: while a run (a subprocess) goes, the sweep polls its metrics.jsonl
+    and prints its round, accuracy and ETA (off a terminal: a line whenever the round moves).
+    The subprocess is a stand-in writing one record per poll, the clock a counter."""
+    import itertools
+
+    from typer.testing import CliRunner
+
+    from hyperfed import sweep as sweep_mod
+    from hyperfed.cli import app
+
+    class FakeRun:  # "hyperfed run --out DIR": one record (10 s a round) per poll, 2 rounds
+        def __init__(self, cmd: list[str], **kw: object) -> None:
+            self.out = Path(cmd[cmd.index("--out") + 1])
+            self.out.mkdir(parents=True)
+            self.polls = 0
+            self.returncode: int | None = None
+
+        def poll(self) -> int | None:
+            self.polls += 1
+            if self.polls > 2:
+                self.returncode = 0
+                return 0
+            row = {"round": self.polls, "mean_acc": 0.25 * self.polls, "seconds": 10.0 * self.polls}
+            with (self.out / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            return None
+
+    clock = itertools.count()
+    monkeypatch.setattr(sweep_mod.subprocess, "Popen", FakeRun)
+    monkeypatch.setattr(sweep_mod.time, "sleep", lambda s: None)
+    monkeypatch.setattr(sweep_mod.time, "monotonic", lambda: float(next(clock)))
+    out = tmp_path / "s"
+    args = ["sweep", "--out", str(out), "--seeds", "0", "--set", "rounds=2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    live = [line for line in result.output.splitlines() if line.startswith("sweep: seed=0: ")]
+    assert live == [
+        "sweep: seed=0: round 1/2, mean acc 0.2500, eta 10 s",
+        "sweep: seed=0: round 2/2, mean acc 0.5000, eta 0 s",
+    ]

@@ -305,6 +305,38 @@ class Simulation:
         with channels_last(self.nhwc):
             return [c for n, cids in self.groups.items() for c in probe(self.group(n, cids, 1))]
 
+    def estimate(self, budget_s: float = 1.0) -> list[PhaseCost]:
+        """What the whole run will cost on this machine, from short timed probes: the heavy
+        phases (:meth:`heavy_phases`), the rounds (a few run here, :func:`timed_probe` as the
+        distillation probes use it; for a method with a heavy phase every round, that phase
+        stands for the round) and the evaluations (one timed). It runs rounds on this
+        federation: call it on a Simulation that is then discarded (``reproduce --dry-run``)."""
+        import time
+
+        from hyperfed.distill.synthesis import timed_probe
+
+        cfg = self.cfg
+        costs = self.heavy_phases()
+        if not costs:
+            self.run_setup()  # cheap without a heavy phase (a distilled set is not made here)
+        if not any(c.per_round for c in costs):
+            done = 0
+
+            def rounds(n: int) -> None:
+                nonlocal done
+                for _ in range(n):
+                    done += 1
+                    self.run_round(done)
+
+            seconds = timed_probe(rounds, cfg.rounds, budget_s)
+            costs.append(PhaseCost(f"{cfg.rounds} rounds of training", seconds))
+        evals = cfg.rounds // cfg.eval_every + (cfg.rounds % cfg.eval_every > 0)
+        t0 = time.perf_counter()
+        self.evaluate("test")
+        seconds = (time.perf_counter() - t0) * evals
+        costs.append(PhaseCost(f"{evals} evaluations", seconds))
+        return costs
+
     def run_setup(self) -> dict[str, Any]:
         """The one-off setup exchanges before round 1 (base.py); their bytes count."""
         with channels_last(self.nhwc):
