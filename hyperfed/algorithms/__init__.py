@@ -29,16 +29,22 @@ def _in_module(module: types.ModuleType) -> list[Algorithm]:
     return [alg for alg in entries if isinstance(alg, Algorithm)]
 
 
+def _algorithms_of(value: object) -> list[Algorithm]:
+    """An ``Algorithm``, or a module holding ``ALGORITHM`` / ``ALGORITHMS``: the algorithms in it
+    (a TypeError naming what was given otherwise)."""
+    if isinstance(value, types.ModuleType) and _in_module(value):
+        return _in_module(value)
+    if isinstance(value, Algorithm):
+        return [value]
+    raise TypeError(
+        "expected an Algorithm or a module with ALGORITHM = Algorithm(...); got "
+        f"{type(value).__name__}"
+    )
+
+
 def _plugin_algorithms(plugin: plugins.Plugin) -> Iterator[tuple[str, Algorithm]]:
     """A plugin's value: an ``Algorithm``, or a module holding ``ALGORITHM`` / ``ALGORITHMS``."""
-    value = plugin.value
-    found = _in_module(value) if isinstance(value, types.ModuleType) else [value]
-    if not found or not all(isinstance(alg, Algorithm) for alg in found):
-        raise TypeError(
-            "expected an Algorithm or a module with ALGORITHM = Algorithm(...); got "
-            f"{type(value).__name__}"
-        )
-    for alg in found:
+    for alg in _algorithms_of(plugin.value):
         yield alg.name, alg
 
 
@@ -57,12 +63,10 @@ def register_method(algorithm: Algorithm | types.ModuleType) -> str:
     then runs it. Registering a name again replaces this process's earlier registration; a
     built-in or plugin method's name is refused. Worker processes (``local.workers`` > 1) do
     not see it. Returns the (first) registered name."""
-    found = _in_module(algorithm) if isinstance(algorithm, types.ModuleType) else [algorithm]
-    if not found or not all(isinstance(alg, Algorithm) for alg in found):
-        raise TypeError(
-            "register_method: expected an Algorithm or a module with ALGORITHM = Algorithm(...); "
-            f"got {type(algorithm).__name__}"
-        )
+    try:
+        found = _algorithms_of(algorithm)
+    except TypeError as e:
+        raise TypeError(f"register_method: {e}") from None
     for alg in found:
         ALGORITHMS.add(alg.name, alg)
     return found[0].name
