@@ -591,6 +591,7 @@ def reproduce(
 
     if list_targets or target is None:
         table = Table("target", "what", "methods", "config", "scales", "runs", "estimate")
+        table.columns[0].no_wrap = True  # a key is what --list is read for
         table.caption = (
             "runs: methods x 3 seeds; estimate: on this machine, one at a time, as the last "
             "--dry-run of the target probed it (per scale)"

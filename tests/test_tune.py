@@ -374,9 +374,6 @@ def test_a_trial_that_crashes_is_one_line_counted_failed_and_the_study_goes_on(
     trials = json.loads((folder / "trials.json").read_text())
     assert [t["state"] for t in trials] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert trials[1]["error"].startswith("RuntimeError: shape mismatch [1, 2] (at ")
-    # the same command again runs nothing: the failed trial counts in the budget
-    calls.clear()
-    assert CliRunner().invoke(app, args).exit_code == 0 and calls == []
 
     def broken(cfg, report=None) -> float:  # type: ignore[no-untyped-def]
         raise ValueError("always")
