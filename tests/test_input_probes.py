@@ -36,6 +36,10 @@ def _refused(args: list[str], out: Path, *words: str) -> None:
     assert (_snapshot(out) if out.is_dir() else None) == before
 
 
+# data that cannot load: a setting wrongly accepted fails the test at once, never trains
+_NO_DATA = ["algorithm.name=pfedhn", "dataset.name=npz", "dataset.path=/nonexistent/x.npz"]
+
+
 # -- config files -------------------------------------------------------------------------
 CONFIG_FILES = {
     "binary": (os.urandom(64) + b"\xff", ["not UTF-8"]),
@@ -56,7 +60,8 @@ def test_a_bad_config_file(tmp_path: Path, name: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_bytes(text)
     out = tmp_path / "r"
-    _refused(["run", "--config", str(path), "--out", str(out), "--quiet"], out, *words)
+    args = ["run", "--config", str(path), "--out", str(out), "--quiet", *sets(_NO_DATA[1:])]
+    _refused(args, out, *words)
     assert not out.exists()
 
 
@@ -92,7 +97,7 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_a_bad_set(tmp_path: Path, setting: str) -> None:
     out = tmp_path / "r"
-    args = ["run", "--out", str(out), "--quiet", "--set", "algorithm.name=pfedhn"]
+    args = ["run", "--out", str(out), "--quiet", *sets(_NO_DATA)]
     _refused([*args, "--set", setting], out, *SETTINGS[setting])
     assert not out.exists()
 
@@ -106,8 +111,16 @@ def test_the_bounds_are_inclusive() -> None:
 
 # -- [attack] is simulation-only ----------------------------------------------------------
 @pytest.mark.parametrize("command", ["local", "sim", "app"])
-def test_flower_refuses_the_poisoning_harness(tmp_path: Path, command: str) -> None:
+def test_flower_refuses_the_poisoning_harness(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
     pytest.importorskip("flwr")
+    from hyperfed.deploy import cli as deploy_cli
+
+    def started(*args: object, **kwargs: object) -> None:  # a refusal never gets here
+        pytest.fail("the deployment started")
+
+    monkeypatch.setattr(deploy_cli, "_launch", started)
     out = tmp_path / "r"
     args = ["flower", command, "--out", str(out), *sets([*SMALL, "attack.kind=scale"])]
     _refused(args, out, "attack.kind = scale", "simulation-only")
@@ -129,7 +142,7 @@ def test_a_flower_run_config_with_an_attack_is_refused() -> None:
 # -- your own data ------------------------------------------------------------------------
 def _own(name: str, path: Path, *extra: str) -> list[str]:
     data = [s for s in SMALL if not s.startswith("dataset.")]
-    return [*data, f"dataset.name={name}", f"dataset.path={path}", *extra]
+    return [*data, "rounds=1", f"dataset.name={name}", f"dataset.path={path}", *extra]
 
 
 _X = np.random.default_rng(0).random((40, 1, 8, 8)).astype(np.float32)
