@@ -43,6 +43,7 @@ from hyperfed.runtime.federation import resolve_device
 from hyperfed.runtime.parallel import resolve_workers
 from hyperfed.runtime.rundir import RunDir, RunDirError, check_new_run
 from hyperfed.runtime.simulate import Simulation
+from hyperfed.runtime.tracking import log_artifacts
 
 __all__ = [
     "ConfigLike",
@@ -206,6 +207,7 @@ def execute(
         raise ModelPartError(f"{sim.cfg.algorithm.name}: {e}") from None
     if run_dir is not None:
         write_summary(run_dir.path)
+        log_artifacts(sim.cfg, run_dir.path)  # [tracking]: summary.md, plots into MLflow
     return records
 
 

@@ -337,6 +337,22 @@ class AttackConfig(_Section):
         return v
 
 
+class TrackingConfig(_Section):
+    """Experiment tracking beside ``metrics.jsonl`` (docs/runs.md, "Tracking"): the resolved
+    config as parameters and every evaluated round's scalar metrics (step = round) to MLflow
+    and / or Weights & Biases; ``pip install 'hyperfed[tracking]'``."""
+
+    mlflow: bool = False
+    # an MLflow tracking URI; "" = a local file store in ./mlruns (the current directory when the
+    # run starts, kept for its resumes in the run directory's tracking.json)
+    mlflow_uri: str = ""
+    wandb: bool = False
+    # offline: W&B's files in <run dir>/wandb/ (upload later with `wandb sync`); online: upload
+    wandb_mode: Literal["offline", "online"] = "offline"
+    # the MLflow experiment and the W&B project
+    experiment: str = Field("hyperfed", min_length=1)
+
+
 class ExperimentConfig(_Section):
     dataset: DatasetConfig = DatasetConfig()
     partition: PartitionConfig = PartitionConfig()
@@ -352,6 +368,7 @@ class ExperimentConfig(_Section):
     seed: int = Field(0, ge=0, le=SEED_MAX)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     tensorboard: bool = False
+    tracking: TrackingConfig = TrackingConfig()
     defense: DefenseConfig = DefenseConfig()
     attack: AttackConfig = AttackConfig()
 

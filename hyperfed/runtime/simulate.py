@@ -52,6 +52,7 @@ from hyperfed.runtime.parallel import (
 )
 from hyperfed.runtime.poison import UPDATE_ATTACKS, Poisoning, flip_labels, lie_about_counts
 from hyperfed.runtime.rundir import CHECKPOINT, RunDir, RunDirError
+from hyperfed.runtime.tracking import check_tracking, open_tracking
 
 log = logging.getLogger("hyperfed")
 
@@ -211,6 +212,7 @@ class Simulation:
         self.federation = fed = Federation(cfg)  # runtime/federation.py: every runtime's builder
         if cfg.tensorboard:
             open_tensorboard()
+        check_tracking(cfg)  # [tracking]: MLflow / W&B installed? (before any work)
         self.device, self.algorithm, self.hp, self.sgd = fed.device, fed.algorithm, fed.hp, fed.sgd
         self.arch_of, self.groups = fed.arch_of, fed.groups
         self.vectorize, self.reference, self.nhwc = fed.vectorize, fed.reference, fed.nhwc
@@ -381,13 +383,17 @@ class Simulation:
         if run_dir is not None and start_round == 0:
             run_dir.create(to_toml(cfg))
         tensorboard = open_tensorboard(run_dir.path) if cfg.tensorboard and run_dir else None
+        tracking = open_tracking(cfg, run_dir.path if run_dir else None, start_round)  # MLflow, W&B
 
-        def to_tensorboard(rnd: int, record: dict[str, Any]) -> None:
-            assert tensorboard is not None
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "round":
-                    tensorboard.add_scalar(key, value, rnd)
+        def to_trackers(rnd: int, record: dict[str, Any]) -> None:
+            if tensorboard is not None:
+                for key, value in record.items():
+                    if isinstance(value, int | float) and key != "round":
+                        tensorboard.add_scalar(key, value, rnd)
+            if tracking is not None:
+                tracking.log(rnd, record)
 
+        status = "FAILED"
         try:
             with channels_last(self.nhwc):
                 records = self.driver.run(
@@ -398,10 +404,16 @@ class Simulation:
                     checkpoint_every=cfg.checkpoint_every,
                     checkpoint=self.state_dict,
                     on_round=on_round,
-                    on_record=to_tensorboard if tensorboard is not None else None,
+                    on_record=to_trackers,
                 )
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
         finally:
             self.close()
+            if tracking is not None:
+                tracking.close(status)
         if tensorboard is not None:
             tensorboard.close()
         return records
