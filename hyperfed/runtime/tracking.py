@@ -6,7 +6,7 @@ round's scalar metrics (the numbers of its ``metrics.jsonl`` row, step = round);
 ``summary.md`` is written, MLflow gets it and the plots as artifacts. The tracked runs' ids are
 kept in the run directory (``tracking.json``), so ``hyperfed run --resume`` continues the same
 MLflow run and the same W&B run id. :class:`Tracking` is opened by
-:meth:`hyperfed.runtime.simulate.Simulation.run` and the Flower ServerApp alike.
+:meth:`hyperfed.runtime.simulate.Simulation.run` (not yet by the Flower ServerApp).
 """
 
 from __future__ import annotations
