@@ -165,10 +165,11 @@ def test_a_new_run_does_not_inherit_an_old_checkpoint_in_its_directory(tmp_path)
 def test_truncate_metrics_drops_later_records_and_a_cut_line(tmp_path):
     d = RunDir(tmp_path)
     d.create("rounds = 9\n")
+    accs = ("mean_acc", "weighted_acc", "min_acc", "max_acc", "std_acc")  # what a record holds
     for rnd in (2, 4, 6):
-        d.append_metrics({"round": rnd, "mean_acc": rnd / 10})
+        d.append_metrics({"round": rnd, **dict.fromkeys(accs, rnd / 10)})
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"round": 8, "mean')
     d.truncate_metrics(4)
-    assert d.metrics() == [{"round": 2, "mean_acc": 0.2}, {"round": 4, "mean_acc": 0.4}]
+    assert [(r["round"], r["mean_acc"]) for r in d.metrics()] == [(2, 0.2), (4, 0.4)]
     assert (tmp_path / "metrics.jsonl").read_text().endswith("\n")

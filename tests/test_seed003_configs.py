@@ -135,7 +135,7 @@ def test_an_explicit_set_wins_and_the_saved_config_is_resolved(tmp_path: Path) -
     [
         ({"fedavgg": {"rounds": 3}}, r"^per_method\.fedavgg: not an algorithm name"),
         ({"fedavg": {"round": 3}}, r"^per_method\.fedavg\.round: unknown key; allowed: rounds"),
-        ({"fedavg": {"rounds": 0}}, r"^per_method\.fedavg\.rounds: .*greater than or equal to 1"),
+        ({"fedavg": {"rounds": 0}}, r"^per_method\.fedavg\.rounds: .*from 1 to 1000000 \(got 0\)"),
         ({"pfedhn": {"local": {"epocs": 2}}}, r"^per_method\.pfedhn\.local\.epocs: unknown key"),
         ({"fedavg": 3}, r"^per_method\.fedavg: expected a table"),
     ],

@@ -415,6 +415,7 @@ class PeFLLClient(Client):
     def fit(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[Payload, dict[str, Tensor], Tensor]:
+        self.embed(msg["phi"].shape[-1])  # built (once) outside the FLOP meter: not round work
         # step 4 for the descriptor the server used last time: (d v / d phi)^T g at its phi
         phi_grad = torch.zeros_like(msg["phi"])
         if bool(msg["gv"].any()):  # zero until the client's second participation
