@@ -29,7 +29,7 @@ run: $(VENV)/.core-installed
 	$(BIN)/hyperfed run
 
 test: install
-	$(BIN)/python -m pytest -q -n 3  # CI has 2 cores; a third worker fills the time the Flower tests spend waiting on their subprocesses (tests use 1 torch thread)
+	$(BIN)/python -m pytest -q -n 2  # one worker per core of the CI machine (tests use 1 torch thread; -n 3 measured slower)
 
 lint: install
 	$(BIN)/ruff check hyperfed tests benchmarks

@@ -397,8 +397,11 @@ def test_vmapped_dropout_draws_each_clients_own_masks(digits_data):
     assert not torch.allclose(t[0], t[1])
 
 
-@pytest.mark.parametrize("momentum,weight_decay", [(0.9, 1e-3), (0.0, 1e-3), (0.9, 0.0)])
-@pytest.mark.parametrize("name", ["lenet", "resnet10"])
+@pytest.mark.parametrize(
+    "name,momentum,weight_decay",
+    # the three update rules on lenet; resnet10 (BatchNorm buffers) once, with every term on
+    [("lenet", 0.9, 1e-3), ("lenet", 0.0, 1e-3), ("lenet", 0.9, 0.0), ("resnet10", 0.9, 1e-3)],
+)
 def test_per_parameter_loop_equals_the_flat_vector_loop(name, momentum, weight_decay, digits_data):
     """The plain loss trains on per-parameter leaves with torch's fused SGD kernel; any other
     loss on one flat leaf with the three-op update. Same steps, float64: equal to 1e-10."""
