@@ -123,37 +123,25 @@ def class_means(
     its forward FLOPs go into the active :class:`FlopMeter` (one whole-model forward per
     training sample; at E = 1 about a quarter of the round's client FLOPs).
     """
-    with FlopMeter.counting():
-        return _class_means(fm, theta, buffers, data, client_ids, features, chunk)
-
-
-def _class_means(
-    fm: FunctionalModel,
-    theta: Tensor,
-    buffers: Tensor,
-    data: FederatedData,
-    client_ids: list[int],
-    features: bool,
-    chunk: int,
-) -> tuple[Tensor, Tensor]:
-    nc = data.num_classes
-    means, counts = [], []
-    for c, cid in enumerate(client_ids):
-        idx = data.train_idx[cid]
-        sums: Tensor | None = None
-        cnt = torch.zeros(nc, device=theta.device)
-        for start in range(0, int(idx.numel()), chunk):
-            x, y = data.batch(idx[start : start + chunk])
-            out = fm.forward(theta[c], buffers[c], x, return_features=features)
-            v = out[0] if features else out
-            if sums is None:
-                sums = torch.zeros(nc, v.shape[-1], device=theta.device, dtype=v.dtype)
-            sums.index_add_(0, y, v)
-            cnt.index_add_(0, y, torch.ones_like(y, dtype=cnt.dtype))
-        assert sums is not None, f"client {cid} has no training samples"
-        means.append(sums / cnt.clamp(min=1).unsqueeze(1))
-        counts.append(cnt)
-    return torch.stack(means), torch.stack(counts)
+    with FlopMeter.counting():  # the client's per-round work
+        nc = data.num_classes
+        means, counts = [], []
+        for c, cid in enumerate(client_ids):
+            idx = data.train_idx[cid]
+            sums: Tensor | None = None
+            cnt = torch.zeros(nc, device=theta.device)
+            for start in range(0, int(idx.numel()), chunk):
+                x, y = data.batch(idx[start : start + chunk])
+                out = fm.forward(theta[c], buffers[c], x, return_features=features)
+                v = out[0] if features else out
+                if sums is None:
+                    sums = torch.zeros(nc, v.shape[-1], device=theta.device, dtype=v.dtype)
+                sums.index_add_(0, y, v)
+                cnt.index_add_(0, y, torch.ones_like(y, dtype=cnt.dtype))
+            assert sums is not None, f"client {cid} has no training samples"
+            means.append(sums / cnt.clamp(min=1).unsqueeze(1))
+            counts.append(cnt)
+        return torch.stack(means), torch.stack(counts)
 
 
 def pack_classes(means: Tensor, counts: Tensor) -> tuple[Tensor, Tensor, Tensor]:
