@@ -37,10 +37,8 @@ from hyperfed.config import (
     resolve_per_method,
 )
 from hyperfed.models.adapter import ModelFactory, ModelPartError
-from hyperfed.models.zoo import MODELS, register_model
+from hyperfed.models.zoo import register_model
 from hyperfed.progress import LineReporter, Reporter, reporting
-from hyperfed.runtime.federation import resolve_device
-from hyperfed.runtime.parallel import resolve_workers
 from hyperfed.runtime.rundir import RunDir, RunDirError, check_new_run
 from hyperfed.runtime.simulate import Simulation
 from hyperfed.runtime.tracking import log_artifacts
@@ -164,25 +162,10 @@ def load_config(config: ConfigLike = None, overrides: Overrides = None) -> Exper
 def build_simulation(cfg: ExperimentConfig) -> Simulation:
     """The :class:`~hyperfed.runtime.simulate.Simulation` of ``cfg`` (``hyperfed run`` and
     :func:`run`); a model that lacks what the method needs is a one-line error naming both."""
-    _check_runtime_models(cfg)
     try:
         return Simulation(cfg)
     except ModelPartError as e:
         raise ModelPartError(f"{cfg.algorithm.name}: {e}") from None
-
-
-def _check_runtime_models(cfg: ExperimentConfig) -> None:
-    """Models registered in this process are unknown to worker processes (local.workers)."""
-    mine = sorted(set(cfg.clients.assignment(cfg.seed)) & MODELS.added)
-    if not mine:
-        return
-    per_round = max(1, round(cfg.participation * cfg.clients.count))
-    if resolve_workers(cfg.local.workers, resolve_device(cfg.device), per_round) > 1:
-        raise ConfigError(
-            f"local.workers: model {mine[0]!r} was registered in this Python process "
-            "(hyperfed.register_model) and worker processes cannot build it; set "
-            "local.workers = 1"
-        )
 
 
 def execute(

@@ -233,9 +233,11 @@ class LocalConfig(_Section):
     compile: Literal["auto", "on", "off"] = "auto"
     # CPU only: train each round's clients in N worker processes (one torch thread each, the
     # client data in shared memory), each architecture group split into N chunks; the replies
-    # are identical to workers = 1 (one process, today's path). auto: one per physical core,
-    # at most one per client trained in a round (docs/scaling.md)
-    workers: int | str = 1
+    # are identical to workers = 1 (one process). auto (the default): one per physical core
+    # (capped by HYPERFED_CORES), at most one per client trained in a round. On a CPU every
+    # hyperfed computation runs on one torch thread, so results do not depend on the worker
+    # or thread count (docs/scaling.md)
+    workers: int | str = "auto"
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperfed.errors import HyperfedError
+from hyperfed.runtime.cores import CORES_ENV
 from hyperfed.runtime.rundir import CHECKPOINT, read_metrics
 
 MANIFEST = "sweep.json"
@@ -183,6 +184,7 @@ def run_sweep(
 
     threads = threads or max(1, (os.cpu_count() or 1) // parallel)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env[CORES_ENV] = str(min(threads, int(env.get(CORES_ENV, "").strip() or threads)))
     result = SweepResult([], [], [])
     todo = []
     for p in points:

@@ -30,6 +30,7 @@ import importlib.util
 import json
 import math
 import multiprocessing as mp
+import os
 import signal
 import time
 import traceback
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyperfed.errors import HyperfedError
 from hyperfed.hparams import Space
+from hyperfed.runtime.cores import CORES_ENV, available_cores
 
 if TYPE_CHECKING:
     import optuna
@@ -359,12 +361,16 @@ def _worker_error(folder: Path, worker: int) -> Path:
     return folder / f".worker-{worker}.error"
 
 
-def _worker(folder: str, request: TuneRequest, space: dict[str, Space], worker: int) -> None:
+def _worker(
+    folder: str, request: TuneRequest, space: dict[str, Space], worker: int, cores: int
+) -> None:
     """One process of ``--parallel``: runs trials (:func:`run_trials`) until the study holds
-    ``request.trials``, so it ends with exactly that many whatever each trial costs. What
-    stops it early is written, one line, to ``.worker-<i>.error`` for the parent to report."""
+    ``request.trials``, so it ends with exactly that many whatever each trial costs; its
+    trials use ``cores`` cores (``local.workers = auto``). What stops it early is written,
+    one line, to ``.worker-<i>.error`` for the parent to report."""
     import torch
 
+    os.environ[CORES_ENV] = str(cores)
     torch.set_num_threads(1)
     try:
         study = open_study(Path(folder), request, worker)
@@ -462,7 +468,10 @@ def _run_workers(
     workers = range(1, min(parallel, missing) + 1)
     for i in workers:
         _worker_error(folder, i).unlink(missing_ok=True)
-    procs = [ctx.Process(target=_worker, args=(str(folder), request, space, i)) for i in workers]
+    cores = max(1, available_cores() // max(1, len(workers)))  # local.workers = auto's share
+    procs = [
+        ctx.Process(target=_worker, args=(str(folder), request, space, i, cores)) for i in workers
+    ]
     for p in procs:
         p.start()
     try:

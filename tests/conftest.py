@@ -1,8 +1,15 @@
+import os
+
 import pytest
 import torch
 
 from hyperfed.data.federated import FederatedData, federate
 from hyperfed.data.sources import load_dataset
+
+
+# local.workers = auto (the default) trains in one process under the test runner: a worker
+# pool per tiny simulation would cost more than it saves (tests/test_parallel.py sets its own)
+os.environ.setdefault("HYPERFED_CORES", "1")
 
 
 @pytest.fixture(autouse=True)

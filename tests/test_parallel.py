@@ -194,3 +194,31 @@ def test_pool_reraises_a_worker_exception_and_survives_a_crash_with_one_line():
 
     with pytest.raises(WorkerError, match="could not build"):
         _pool("bad-init")
+
+
+def test_the_default_gives_one_result_at_any_worker_or_thread_count(monkeypatch):
+    # local.workers = auto (the default) on 2 available cores against one process, both
+    # called from a process at 2 torch threads (a multi-threaded convolution's backward sums
+    # in another order than a one-thread one): every computation runs on one thread in both,
+    # so the per-client accuracies and the global model agree bitwise, and the caller's
+    # thread count is given back
+    args = ("algorithm.name=fedavg", "clients.models=lenet", "clients.count=4")
+    monkeypatch.setenv("HYPERFED_CORES", "2")
+    torch.set_num_threads(2)
+    cfg = load_config(None, [*BASE, *args])
+    assert cfg.local.workers == "auto"
+    auto = Simulation(cfg)
+    assert auto.workers == 2 and "2 worker processes x 1 thread" in auto.compute_line()
+    r_auto = auto.run()
+    assert torch.get_num_threads() == 2
+    one, r_one, _ = _run(1, *args)
+    assert torch.get_num_threads() == 2
+    _same(one, auto, r_one, r_auto)
+
+
+def test_auto_shares_the_machine_by_hyperfed_cores(monkeypatch):
+    monkeypatch.setenv("HYPERFED_CORES", "1")
+    assert resolve_workers("auto", torch.device("cpu"), 100) == 1
+    monkeypatch.setenv("HYPERFED_CORES", "two")
+    with pytest.raises(ConfigError, match="HYPERFED_CORES='two'"):
+        resolve_workers("auto", torch.device("cpu"), 100)

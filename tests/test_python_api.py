@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import hyperfed
+from hyperfed import api
 from hyperfed.algorithms import ALGORITHMS, get_algorithm
 from hyperfed.engine.representations import header_index, representation_join
 from hyperfed.errors import ConfigError, HyperfedError
@@ -280,8 +281,12 @@ def test_register_model_and_method_join_the_registries_and_replace_their_own():
         hyperfed.register_method("fedavg")  # type: ignore[arg-type]
 
 
-def test_a_model_registered_in_python_is_refused_with_worker_processes():
+def test_a_model_registered_in_python_is_refused_with_worker_processes(monkeypatch):
     hyperfed.register_model("two_layer", TwoLayer)
     settings = {**SMALL, "clients.models": "two_layer", "local.workers": 2}
-    with pytest.raises(ConfigError, match="local.workers: model 'two_layer' was registered"):
+    with pytest.raises(ConfigError, match="local.workers: 'two_layer' was registered"):
         hyperfed.run(overrides=settings, progress=False)
+    # auto, with cores for two workers: the run stays in this process, where the model is
+    monkeypatch.setenv("HYPERFED_CORES", "2")
+    sim = api.build_simulation(api.load_config(overrides={**settings, "local.workers": "auto"}))
+    assert sim.workers == 1 and sim.transport.parallel is None

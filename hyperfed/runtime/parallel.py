@@ -45,6 +45,7 @@ from torch import Tensor
 from hyperfed.algorithms.base import Payload, stack_payloads, unstack_payload
 from hyperfed.data.federated import FederatedData
 from hyperfed.errors import ConfigError, HyperfedError
+from hyperfed.runtime.cores import available_cores
 from hyperfed.runtime.driver import Exchange
 
 log = logging.getLogger("hyperfed")
@@ -65,32 +66,12 @@ class WorkerError(HyperfedError):
     """A worker process died or could not start (one line: which, and what to do)."""
 
 
-def physical_cores() -> int:
-    """Physical cores this process may run on (hyper-threads not counted)."""
-    try:
-        allowed = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        allowed = os.cpu_count() or 1
-    cores: set[tuple[str, str]] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            phys = ""
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "physical id":
-                    phys = value.strip()
-                elif key.strip() == "core id":
-                    cores.add((phys, value.strip()))
-    except OSError:
-        pass
-    return max(1, min(allowed, len(cores) or allowed))
-
-
 def resolve_workers(setting: int | str, device: torch.device, max_clients: int) -> int:
-    """``local.workers`` as a number of processes (1: the one-process path). "auto": one per
-    physical core, at most one per client trained in a round, 1 on a GPU."""
+    """``local.workers`` as a number of processes (1: the one-process path). "auto" (the
+    default): one per available core (:func:`available_cores`), at most one per client
+    trained in a round, 1 on a GPU."""
     if setting == "auto":
-        return 1 if device.type != "cpu" else max(1, min(physical_cores(), max_clients))
+        return 1 if device.type != "cpu" else max(1, min(available_cores(), max_clients))
     n = int(setting)
     if n > 1 and device.type != "cpu":
         raise ConfigError(
@@ -121,6 +102,27 @@ def stochastic_models(models: dict[str, Any], setting: int | str, vectorize: boo
         log.warning(
             "local.workers = auto: %s uses dropout under vmap; training in one process", found
         )
+    return found
+
+
+def registered_here(cfg: Any, setting: int | str) -> list[str]:
+    """The run's models and method registered in this Python process
+    (``hyperfed.register_model`` / ``register_method``), which worker processes cannot build:
+    with them ``auto`` trains in one process (logged) and an explicit worker count is refused."""
+    from hyperfed.algorithms import ALGORITHMS
+    from hyperfed.models.zoo import MODELS
+
+    found = sorted(set(cfg.clients.assignment(cfg.seed)) & MODELS.added)
+    if cfg.algorithm.name in ALGORITHMS.added:
+        found.append(cfg.algorithm.name)
+    if found and setting != "auto":
+        raise ConfigError(
+            f"local.workers: {found[0]!r} was registered in this Python process "
+            "(hyperfed.register_model / register_method) and worker processes cannot build "
+            "it; set local.workers = 1 or auto"
+        )
+    if found:
+        log.info("local.workers = auto: %s registered in this process; one process", found)
     return found
 
 

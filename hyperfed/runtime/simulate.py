@@ -10,9 +10,10 @@ and checkpoints atomically, so a killed run resumes to the same result.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.parallel import (
     ChunkFn,
     ParallelFit,
+    available_cores,
+    registered_here,
     resolve_workers,
     run_chunk,
     stochastic_models,
@@ -260,8 +263,36 @@ class Simulation:
         workers = resolve_workers(cfg.local.workers, self.device, per_round)
         if workers > 1 and stochastic_models(self.models, cfg.local.workers, self.vectorize):
             workers = 1
+        if workers > 1 and registered_here(cfg, cfg.local.workers):
+            workers = 1
         if workers > 1:  # runtime/parallel.py; started on the first round
             self.transport.parallel = ParallelFit(workers, worker_chunks, (cfg,), data)
+        self.workers = workers
+        # one torch thread for every computation on a CPU, in this process as in the workers:
+        # the summation order, hence every result, is then that of workers = 1 at any thread
+        # or worker count (a multi-threaded convolution may sum in another order)
+        self.threads = 1 if self.device.type == "cpu" else None
+
+    def compute_line(self) -> str:
+        """Where this simulation computes, for a run's header line."""
+        if self.threads is None:
+            return f"device {self.device}"
+        procs = f"{self.workers} worker processes" if self.workers > 1 else "1 process"
+        return f"CPU, {procs} x 1 thread ({available_cores()} cores available)"
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """The block runs as every computation of this simulation does: channels-last where
+        it is on (``local.channels_last``), one torch thread on a CPU (restored after)."""
+        before = torch.get_num_threads()
+        if self.threads is not None and before != self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            with channels_last(self.nhwc):
+                yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
 
     def close(self) -> None:
         """Stop the worker processes (``local.workers``); a later round starts them anew."""
@@ -294,7 +325,7 @@ class Simulation:
         return self.transport.states(cids)
 
     def run_round(self, rnd: int) -> RoundResult:
-        with channels_last(self.nhwc):
+        with self.computing():
             return self.driver.run_round(rnd)
 
     def heavy_phases(self) -> list[PhaseCost]:
@@ -304,7 +335,7 @@ class Simulation:
         probe = getattr(self.client, "heavy_phases", None)
         if probe is None:
             return []
-        with channels_last(self.nhwc):
+        with self.computing():
             return [c for n, cids in self.groups.items() for c in probe(self.group(n, cids, 1))]
 
     def estimate(self, budget_s: float = 1.0) -> list[PhaseCost]:
@@ -341,12 +372,12 @@ class Simulation:
 
     def run_setup(self) -> dict[str, Any]:
         """The one-off setup exchanges before round 1 (base.py); their bytes count."""
-        with channels_last(self.nhwc):
+        with self.computing():
             return self.driver.run_setup()
 
     def evaluate(self, split: str = "test") -> dict[str, Any]:
         """Every client's personalized model on its own split (DESIGN: what accuracy means)."""
-        with channels_last(self.nhwc):
+        with self.computing():
             return self.driver.evaluate(split)
 
     # -- checkpoints -------------------------------------------------------------------
@@ -395,7 +426,7 @@ class Simulation:
 
         status = "FAILED"
         try:
-            with channels_last(self.nhwc):
+            with self.computing():
                 records = self.driver.run(
                     cfg.rounds,
                     cfg.eval_every,
