@@ -50,9 +50,9 @@ from hyperfed.runtime.driver import Exchange
 
 log = logging.getLogger("hyperfed")
 
-# What a worker runs for one chunk: (architecture, client ids, round, per-client messages,
-# stacked states) -> (reply, state, loss, flops). Built in the worker by the ``init`` function.
-ChunkFn = Callable[[str, list[int], int, list[Payload], dict[str, Tensor]], tuple]
+# What a worker runs for one chunk of clients of one architecture: a task tuple in, a result
+# tuple out (``run_chunk``: "fit" and "evaluate" tasks). Built in the worker by ``init``.
+ChunkFn = Callable[..., tuple]
 
 
 # forkserver where the platform has it (Linux, macOS), else spawn; HYPERFED_START_METHOD overrides
@@ -189,6 +189,13 @@ def compact(payload: dict[str, Tensor]) -> dict[str, Tensor]:
     }
 
 
+def _compact_any(value: Any) -> Any:
+    """A result's tensor dicts compacted (:func:`compact`); anything else as it is."""
+    if isinstance(value, dict) and all(isinstance(v, Tensor) for v in value.values()):
+        return compact(value)
+    return value
+
+
 # -- shared data -------------------------------------------------------------------------------
 @dataclass
 class SharedData:
@@ -236,9 +243,9 @@ def _worker_main(
             return
         try:
             t0 = time.perf_counter()
-            reply, state, loss, flops = run(*task)
+            result = run(*task)
             busy = time.perf_counter() - t0
-            send(conn, ("ok", (compact(reply), compact(state), loss, flops, busy)))
+            send(conn, ("ok", (*(_compact_any(v) for v in result), busy)))
         except BaseException as e:  # noqa: BLE001 - re-raised in the main process
             send(conn, ("error", _portable(e)))
 
@@ -407,7 +414,9 @@ class ParallelFit:
         if self.pool is None or self.pool.closed:
             self.pool = WorkerPool(self.n, self.init, self.args, self.data)
         plan = [(name, part) for name, members in groups for part in chunks(members, self.n)]
-        tasks = [(name, part, rnd, [msgs[c] for c in part], states(part)) for name, part in plan]
+        tasks = [
+            ("fit", name, part, rnd, [msgs[c] for c in part], states(part)) for name, part in plan
+        ]
 
         def describe(t: int) -> str:
             name, part = plan[t]
@@ -428,6 +437,33 @@ class ParallelFit:
         self.last = {"wall": time.perf_counter() - t0, "busy": busy, "tasks": len(tasks)}
         return out
 
+    def evaluate(
+        self,
+        split: str,
+        msgs: dict[int, Payload],
+        groups: Iterable[tuple[str, list[int]]],
+        states: Callable[[int], dict[str, Tensor]],
+    ) -> list[tuple[list[int], tuple[Tensor, Tensor, Tensor]]]:
+        """Every client's (correct, total, loss sum) on ``split``, chunks evaluated in the
+        workers as :meth:`fit` trains them (the pool must be running: a round came first)."""
+        assert self.pool is not None and not self.pool.closed
+        plan = [(name, part) for name, members in groups for part in chunks(members, self.n)]
+        tasks = [
+            ("evaluate", name, part, split, [msgs[c] for c in part], [states(c) for c in part])
+            for name, part in plan
+        ]
+
+        def describe(t: int) -> str:
+            name, part = plan[t]
+            return f"evaluating clients {part} ({name}) on {split}"
+
+        results = self.pool.map(tasks, describe)
+        return [(part, (ok, tot, ls)) for (_, part), (ok, tot, ls, _) in zip(plan, results)]
+
+    @property
+    def running(self) -> bool:
+        return self.pool is not None and not self.pool.closed
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
@@ -435,18 +471,27 @@ class ParallelFit:
 
 
 def run_chunk(
-    fit: Callable[..., tuple], make_group: Callable[[str, list[int], int], Any], nhwc: bool
+    fit: Callable[..., tuple],
+    evaluate: Callable[..., tuple[Tensor, Tensor, Tensor]],
+    make_group: Callable[[str, list[int], int], Any],
+    nhwc: bool,
 ) -> ChunkFn:
-    """A worker's chunk runner: ``Client.fit`` on a group of ``cids`` built as the main process
-    builds it, with the messages stacked there, FLOPs measured there."""
+    """A worker's chunk runner. "fit": ``Client.fit`` on a group of ``cids`` built as the
+    main process builds it, with the messages stacked there, FLOPs measured there;
+    "evaluate": ``evaluate(name, cids, msgs, states, split)``, as the main process evaluates."""
     from hyperfed.engine.local import FlopMeter
     from hyperfed.models.layout import channels_last
 
     def run(
-        name: str, cids: list[int], rnd: int, msgs: list[Payload], state: dict[str, Tensor]
+        kind: str, name: str, cids: list[int], at: Any, msgs: list[Payload], state: Any
     ) -> tuple:
-        with channels_last(nhwc), FlopMeter() as meter:
-            reply, new_state, loss = fit(make_group(name, cids, rnd), stack_payloads(msgs), state)
+        with channels_last(nhwc):
+            if kind == "evaluate":
+                return evaluate(name, cids, msgs, state, at)
+            with FlopMeter() as meter:
+                reply, new_state, loss = fit(
+                    make_group(name, cids, at), stack_payloads(msgs), state
+                )
         return reply, new_state, loss, meter.total
 
     return run

@@ -191,18 +191,38 @@ class InMemoryTransport:
         counts = EvalCounts(
             torch.full((n,), math.nan), torch.full((n,), math.nan), torch.full((n,), math.nan)
         )
-        for name, part in self._by_group(msgs):
-            theta, buffers = self.client.eval_model(
-                self.make_group(name, part, -1),
-                stack_payloads([msgs[c] for c in part]),
-                StackedOnRead([self.store[c] for c in part]),  # only what it reads
+        if self.parallel is not None and self.parallel.running:  # in the workers
+            results = self.parallel.evaluate(
+                split, msgs, self._by_group(msgs), self.store.__getitem__
             )
-            net = self.client.eval_network(self.models[name])
-            ok, tot, ls = evaluate_clients(net, theta, buffers, self.data, part, split)
+        else:
+            results = [
+                (part, self.evaluate_group(name, part, [msgs[c] for c in part], None, split))
+                for name, part in self._by_group(msgs)
+            ]
+        for part, (ok, tot, ls) in results:
             idx = torch.tensor(part)
             counts.correct[idx], counts.total[idx] = ok.cpu().float(), tot.cpu().float()
             counts.loss_sum[idx] = ls.cpu().float()  # a float64 model evaluates too
         return counts
+
+    def evaluate_group(
+        self,
+        name: str,
+        cids: list[int],
+        msgs: list[Payload],
+        states: list[dict[str, Tensor]] | None,
+        split: str,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(correct, total, loss sum) of clients ``cids`` (architecture ``name``) on
+        ``split``; ``states`` None: the store's (a worker is sent the chunk's states)."""
+        theta, buffers = self.client.eval_model(
+            self.make_group(name, cids, -1),
+            stack_payloads(msgs),
+            StackedOnRead(states or [self.store[c] for c in cids]),  # only what it reads
+        )
+        net = self.client.eval_network(self.models[name])
+        return evaluate_clients(net, theta, buffers, self.data, cids, split)
 
 
 class Simulation:
@@ -462,7 +482,8 @@ def worker_chunks(cfg: ExperimentConfig, data: FederatedData) -> ChunkFn:
     def make_group(name: str, cids: list[int], rnd: int) -> ClientGroup:
         return fed.group(models[name], cids, data, rnd)
 
-    return run_chunk(client.fit, make_group, fed.nhwc)
+    host = InMemoryTransport(client, {}, {}, make_group, data, models, fed.reference)
+    return run_chunk(client.fit, host.evaluate_group, make_group, fed.nhwc)
 
 
 def open_tensorboard(path: Path | None = None) -> Any:
