@@ -1,11 +1,12 @@
 import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from hyperfed.data.federated import FederatedData, federate
 from hyperfed.data.sources import load_dataset
-
 
 # local.workers = auto (the default) trains in one process under the test runner: a worker
 # pool per tiny simulation would cost more than it saves (tests/test_parallel.py sets its own)
@@ -81,3 +82,42 @@ def small_sim() -> SmallSim:
     (300 samples), 2 rounds of 1 local epoch, evaluated every round; ``small_sim.config(...)``
     gives its ExperimentConfig, ``small_sim.sets(...)`` the override strings."""
     return SmallSim()
+
+
+# -- real loopback Flower deployments (test_flower*.py) ------------------------------------
+def _working_in(folder: Path) -> list[str]:
+    """Processes (not zombies) whose working directory is inside ``folder``: what a
+    deployment started there, the ServerApp its SuperLink's detached SuperExec runs included."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and cwd.is_relative_to(folder):
+            found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:80]!r}")
+    return found
+
+
+@pytest.fixture
+def deployments(request, tmp_path):
+    """Deployments (``LocalDeployment``) a test started and appended here; every process group
+    they started is stopped at the end, also when the test fails. In a module that sets
+    ``CHECK_FOLDER = True``, also nothing they started keeps running in the test's folder
+    (waited for up to 10 s)."""
+    from hyperfed.deploy.launch import _group_alive  # needs Flower: only where it is used
+
+    started: list = []
+    try:
+        yield started
+    finally:
+        for d in started:
+            d.stop()
+        pids = [p.pid for d in started for p in d.processes]
+        assert not [pid for pid in pids if _group_alive(pid)], "processes left running"
+        if getattr(request.module, "CHECK_FOLDER", False):
+            deadline = time.monotonic() + 10
+            while _working_in(tmp_path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _working_in(tmp_path), _working_in(tmp_path)

@@ -72,7 +72,7 @@ def test_baseline_runs_two_rounds_and_sends_only_its_payload(alg, extra, keys):
     sim = _sim(alg, *extra)
     record, replies = _run(sim)
     assert len(replies) == 2 * 4 and all(set(r) == keys for r in replies)
-    assert record["rejected"] == [] and 0.0 <= record["mean_acc"] <= 1.0
+    assert record["rejected"] == []
     up = record["bytes_up_round"]
     if alg == "lg_fedavg":
         assert up == 4 * LENET_CLASSIFIER * 4

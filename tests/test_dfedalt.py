@@ -13,89 +13,28 @@ values are plain-torch gradient descent written here from the equations.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from toy import W_PATH, block_data, gd, path_sim, tanh_loss, tanh_net
 
 from hyperfed.algorithms.base import ClientContext, ClientGroup
 from hyperfed.algorithms.dfedalt import DFedAltClient, DFedAltParams
-from hyperfed.config import load_config
-from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig
-from hyperfed.models.layout import FunctionalModel
-from hyperfed.models.zoo import ZooNet
 from hyperfed.runtime.simulate import Simulation
 
 N_BODY, N_HEAD = 8, 6  # features.0.weight (2x3) + bias (2) | classifier.weight (2x2) + bias (2)
-# A path 0 - 1 - 2 and its Metropolis-Hastings weights W_ij = 1 / (1 + max(d_i, d_j)) on the
-# edges (degrees 1, 2, 1), W_ii = 1 - sum_j W_ij: symmetric, doubly stochastic, positive on the
-# edges and the diagonal and zero elsewhere (seed 004, Definition 1 (i)-(iv)).
-PATH = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 1, 0]], dtype=torch.bool)
-W_PATH = torch.tensor(
-    [[2 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 1 / 3], [0.0, 1 / 3, 2 / 3]], dtype=torch.float64
-)
 
 
-# --- a hand-sized model, data and the paper's updates written in plain torch -------------------
-
-
-def tiny_model(dtype: torch.dtype = torch.float64) -> FunctionalModel:
-    torch.manual_seed(0)
-    module = ZooNet(nn.Sequential(nn.Linear(3, 2), nn.Tanh()), (3,), 2).to(dtype)
-    fm = FunctionalModel(module, "tiny")
-    assert fm.layout.names == [
-        "features.0.weight",
-        "features.0.bias",
-        "classifier.weight",
-        "classifier.bias",
-    ]
-    return fm
-
-
-def tiny_data(
-    n_clients: int, n_train: int = 4, n_test: int = 3, dtype: torch.dtype = torch.float64
-) -> FederatedData:
-    """Vectors ``x in R^3``, 2 classes; client c owns a contiguous block of samples."""
-    g = torch.Generator().manual_seed(0)
-    per = n_train + n_test
-    x = torch.randn(n_clients * per, 3, generator=g, dtype=torch.float64).to(dtype)
-    y = torch.randint(0, 2, (n_clients * per,), generator=g)
-    train = [torch.arange(c * per, c * per + n_train) for c in range(n_clients)]
-    test = [torch.arange(c * per + n_train, (c + 1) * per) for c in range(n_clients)]
-    empty = [torch.zeros(0, dtype=torch.long) for _ in range(n_clients)]
-    none = torch.zeros(0)
-    return FederatedData(x, y, train, empty, test, 2, (3,), none, none, "tiny", dtype)
-
-
-def logits(body: Tensor, head: Tensor, x: Tensor) -> Tensor:
-    """The tiny model by hand: ``tanh(x W1^T + b1) Wc^T + bc``."""
-    feats = torch.tanh(x @ body[:6].view(2, 3).T + body[6:8])
-    return feats @ head[:4].view(2, 2).T + head[4:6]
-
-
-def loss(body: Tensor, head: Tensor, x: Tensor, y: Tensor) -> Tensor:
-    """F_i: mean cross-entropy over the client's (whole) training set."""
-    return F.cross_entropy(logits(body, head, x), y)
-
-
-def gd(f: Callable[[Tensor], Tensor], p: Tensor, lr: float, steps: int) -> Tensor:
-    """``steps`` plain gradient steps ``p <- p - lr grad f(p)``."""
-    for _ in range(steps):
-        q = p.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(f(q), q)
-        p = (q - lr * g).detach()
-    return p
+# --- the paper's updates written in plain torch (model, data, loss and gd: tests/toy.py) ------
 
 
 def dfedalt_local(
     u: Tensor, v: Tensor, x: Tensor, y: Tensor, hp: DFedAltParams, lr: float
 ) -> tuple[Tensor, Tensor]:
     """Steps 1-2 of a DFedAlt round: K_v GD steps on v (u fixed), then K_u on u (v fixed)."""
-    v = gd(lambda v_: loss(u, v_, x, y), v, hp.lr_v or lr, hp.epochs_v)
-    u = gd(lambda u_: loss(u_, v, x, y), u, hp.lr_u or lr, hp.epochs_u)
+    v = gd(lambda v_: tanh_loss(u, v_, x, y), v, hp.lr_v or lr, hp.epochs_v)
+    u = gd(lambda u_: tanh_loss(u_, v, x, y), u, hp.lr_u or lr, hp.epochs_u)
     return u, v
 
 
@@ -117,31 +56,12 @@ def random_state(n_clients: int, dtype: torch.dtype = torch.float64) -> dict[str
 def tiny_sim(n: int = 3, dtype: torch.dtype = torch.float64) -> Simulation:
     """A DFedAlt Simulation on the tiny model and data, graph = the path 0 - 1 - 2. (float32
     where ``Simulation.evaluate`` runs: it does not take float64 models, see test_dfedavg.py.)"""
-    cfg = load_config(
-        None,
-        [
-            "device=cpu",
-            "clients.models=mlp",
-            f"clients.count={n}",
-            "partition.name=iid",
-            "local.epochs=1",
-            "local.batch_size=4",
-            "local.lr=0.1",
-            "local.momentum=0",
-            "local.weight_decay=0",
-            "local.vectorize=off",
-            "algorithm.name=dfedalt",
-            'algorithm.topology="ring"',
-            "seed=0",
-        ],
-    )
-    sim = Simulation(cfg, data=tiny_data(n, dtype=dtype))
-    sim.models["mlp"] = tiny_model(dtype)  # the one architecture, replaced by the tiny one
-    state = random_state(n, dtype)
-    sim.store = {c: {k: v[c] for k, v in state.items()} for c in range(n)}
-    assert sim.gossip is not None
-    sim.gossip.adj = PATH
-    return sim
+
+    def store() -> dict[int, dict[str, Tensor]]:
+        state = random_state(n, dtype)
+        return {c: {k: v[c] for k, v in state.items()} for c in range(n)}
+
+    return path_sim("dfedalt", n, store, dtype, "local.epochs=1")
 
 
 # --- step 1 and 2: alternating, frozen parts ------------------------------------------------
@@ -152,7 +72,7 @@ def test_fit_is_personal_then_shared_with_the_other_part_frozen() -> None:
     v^{t+1} (v frozen), each with its own rate. Fails if the head is left trainable in the
     shared phase (it would move u's later gradients), if the body is left trainable in the
     personal phase, if the order is swapped, or if epochs / rates are mixed up."""
-    fm, data = tiny_model(), tiny_data(2)
+    fm, data = tanh_net(), block_data(2)
     hp = DFedAltParams(epochs_v=2, epochs_u=3, lr_v=0.7, lr_u=0.3)
     client = DFedAltClient(hp, ClientContext(0, torch.device("cpu"), 2, (3,)))
     group = ClientGroup(fm, [0, 1], data, 1, 0, full_batch(4), vectorize=False)
@@ -169,14 +89,14 @@ def test_fit_is_personal_then_shared_with_the_other_part_frozen() -> None:
         assert not torch.allclose(v, state["head"][c]) and not torch.allclose(u, state["shared"][c])
     # the order matters on this example: shared-then-personal gives another result
     x, y = data.batch(data.train_idx[0])
-    u_sw = gd(lambda u_: loss(u_, state["head"][0], x, y), state["shared"][0], 0.3, 3)
+    u_sw = gd(lambda u_: tanh_loss(u_, state["head"][0], x, y), state["shared"][0], 0.3, 3)
     assert not torch.allclose(new["shared"][0], u_sw, atol=1e-6)
 
 
 def test_unset_phase_rates_fall_back_to_the_local_lr_and_zero_epochs_skip_a_phase() -> None:
     """lr_v = lr_u = None: both phases use the [local] rate (eta_v = eta_u = lr); K_u = 0
     leaves u as it was (only v trains), K_v = 0 leaves v (only u trains)."""
-    fm, data = tiny_model(), tiny_data(1)
+    fm, data = tanh_net(), block_data(1)
     ctx = ClientContext(0, torch.device("cpu"), 2, (3,))
     group = ClientGroup(fm, [0], data, 1, 0, full_batch(4, lr=0.4), vectorize=False)
     state = random_state(1)
@@ -189,18 +109,18 @@ def test_unset_phase_rates_fall_back_to_the_local_lr_and_zero_epochs_skip_a_phas
     assert torch.allclose(new["head"][0], v, atol=1e-12)
     _, only_v, _ = DFedAltClient(DFedAltParams(epochs_v=2, epochs_u=0), ctx).fit(group, {}, state)
     assert torch.equal(only_v["shared"][0], u0)
-    assert torch.allclose(only_v["head"][0], gd(lambda q: loss(u0, q, x, y), v0, 0.4, 2))
+    assert torch.allclose(only_v["head"][0], gd(lambda q: tanh_loss(u0, q, x, y), v0, 0.4, 2))
     _, only_u, _ = DFedAltClient(DFedAltParams(epochs_v=0, epochs_u=2), ctx).fit(group, {}, state)
     assert torch.equal(only_u["head"][0], v0)
-    assert torch.allclose(only_u["shared"][0], gd(lambda q: loss(q, v0, x, y), u0, 0.4, 2))
+    assert torch.allclose(only_u["shared"][0], gd(lambda q: tanh_loss(q, v0, x, y), u0, 0.4, 2))
 
 
 def test_an_epoch_is_a_pass_over_the_local_data() -> None:
     """K_v, K_u count local *epochs* (seed 004 §5.1: 4 local epochs): with batch n/2 one epoch
     is 2 steps. Every sample of the client is the same here, so every mini-batch gradient is
     the full gradient and K epochs are exactly 2K gradient steps whatever the shuffle."""
-    fm = tiny_model()
-    data = tiny_data(1)
+    fm = tanh_net()
+    data = block_data(1)
     data.x[data.train_idx[0]] = data.x[data.train_idx[0][0]].clone()
     data.y[data.train_idx[0]] = 1
     hp = DFedAltParams(epochs_v=1, epochs_u=2, lr_v=0.5, lr_u=0.2)
@@ -209,8 +129,8 @@ def test_an_epoch_is_a_pass_over_the_local_data() -> None:
     state = random_state(1)
     _, new, _ = client.fit(ClientGroup(fm, [0], data, 1, 0, sgd, vectorize=False), {}, state)
     x, y = data.batch(data.train_idx[0])
-    v = gd(lambda q: loss(state["shared"][0], q, x, y), state["head"][0], 0.5, 2)
-    u = gd(lambda q: loss(q, v, x, y), state["shared"][0], 0.2, 4)
+    v = gd(lambda q: tanh_loss(state["shared"][0], q, x, y), state["head"][0], 0.5, 2)
+    u = gd(lambda q: tanh_loss(q, v, x, y), state["shared"][0], 0.2, 4)
     assert torch.allclose(new["head"][0], v, atol=1e-12)
     assert torch.allclose(new["shared"][0], u, atol=1e-12)
 
@@ -270,5 +190,5 @@ def test_evaluated_model_is_mixed_body_with_own_head() -> None:
     expected = []
     for c in range(3):
         x, y = sim.data.batch(sim.data.test_idx[c])
-        expected.append(float(loss(U[c], V[c], x.double(), y)))
+        expected.append(float(tanh_loss(U[c], V[c], x.double(), y)))
     assert sim.evaluate()["test_loss"] == pytest.approx(sum(expected) / 3, rel=1e-5)

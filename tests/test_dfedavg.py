@@ -17,47 +17,15 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from toy import W_PATH, block_data, path_sim, tanh_net
 
 from hyperfed.algorithms.base import ClientContext, ClientGroup
 from hyperfed.algorithms.dfedavg import DFedAvgClient, DFedAvgParams
-from hyperfed.config import load_config
-from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig
-from hyperfed.models.layout import FunctionalModel
-from hyperfed.models.zoo import ZooNet
 from hyperfed.runtime.simulate import Simulation
 
 K = 14  # features.0 (2x3 + 2) + classifier (2x2 + 2)
-# A path 0 - 1 - 2 and its Metropolis-Hastings weights W_ij = 1 / (1 + max(d_i, d_j)) on the
-# edges (degrees 1, 2, 1), W_ii = 1 - sum_j W_ij (seed 004, Definition 1 (i)-(iv)).
-PATH = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 1, 0]], dtype=torch.bool)
-W_PATH = torch.tensor(
-    [[2 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 1 / 3], [0.0, 1 / 3, 2 / 3]], dtype=torch.float64
-)
-
-
-def tiny_model(dtype: torch.dtype = torch.float64) -> FunctionalModel:
-    torch.manual_seed(0)
-    module = ZooNet(nn.Sequential(nn.Linear(3, 2), nn.Tanh()), (3,), 2).to(dtype)
-    fm = FunctionalModel(module, "tiny")
-    assert fm.num_params == K
-    return fm
-
-
-def tiny_data(
-    n_clients: int, n_train: int = 4, n_test: int = 3, dtype: torch.dtype = torch.float64
-) -> FederatedData:
-    """Vectors ``x in R^3``, 2 classes; client c owns a contiguous block of samples."""
-    g = torch.Generator().manual_seed(0)
-    per = n_train + n_test
-    x = torch.randn(n_clients * per, 3, generator=g, dtype=torch.float64).to(dtype)
-    y = torch.randint(0, 2, (n_clients * per,), generator=g)
-    train = [torch.arange(c * per, c * per + n_train) for c in range(n_clients)]
-    test = [torch.arange(c * per + n_train, (c + 1) * per) for c in range(n_clients)]
-    empty = [torch.zeros(0, dtype=torch.long) for _ in range(n_clients)]
-    none = torch.zeros(0)
-    return FederatedData(x, y, train, empty, test, 2, (3,), none, none, "tiny", dtype)
 
 
 def loss(theta: Tensor, x: Tensor, y: Tensor) -> Tensor:
@@ -87,37 +55,18 @@ def random_thetas(n: int, dtype: torch.dtype = torch.float64) -> Tensor:
 def tiny_sim(n: int = 3, dtype: torch.dtype = torch.float64, epochs: int = 2) -> Simulation:
     """A DFedAvg Simulation on the tiny model and data, graph = the path 0 - 1 - 2, full-batch
     momentum-free SGD with lr 0.1."""
-    cfg = load_config(
-        None,
-        [
-            "device=cpu",
-            "clients.models=mlp",
-            f"clients.count={n}",
-            "partition.name=iid",
-            f"local.epochs={epochs}",
-            "local.batch_size=4",
-            "local.lr=0.1",
-            "local.momentum=0",
-            "local.weight_decay=0",
-            "local.vectorize=off",
-            "algorithm.name=dfedavg",
-            'algorithm.topology="ring"',
-            "seed=0",
-        ],
-    )
-    sim = Simulation(cfg, data=tiny_data(n, dtype=dtype))
-    sim.models["mlp"] = tiny_model(dtype)  # the one architecture, replaced by the tiny one
-    thetas = random_thetas(n, dtype)
-    sim.store = {c: {"theta": thetas[c], "buffers": torch.zeros(0)} for c in range(n)}
-    assert sim.gossip is not None
-    sim.gossip.adj = PATH
-    return sim
+
+    def store() -> dict[int, dict[str, Tensor]]:
+        thetas = random_thetas(n, dtype)
+        return {c: {"theta": thetas[c], "buffers": torch.zeros(0)} for c in range(n)}
+
+    return path_sim("dfedavg", n, store, dtype, f"local.epochs={epochs}")
 
 
 def test_fit_is_e_epochs_of_local_sgd_from_the_clients_own_model() -> None:
     """Local phase: y^{t,0} = x_i^t (the client's own model, no server model), K = E steps of
     heavy-ball SGD; the reply and the new state are y^{t,K}, the *trained* model."""
-    fm, data = tiny_model(), tiny_data(2)
+    fm, data = tanh_net(), block_data(2)
     client = DFedAvgClient(DFedAvgParams(), ClientContext(0, torch.device("cpu"), 2, (3,)))
     sgd = SGDConfig(lr=0.2, momentum=0.5, weight_decay=0.0, epochs=3, batch_size=4)
     start = random_thetas(2)

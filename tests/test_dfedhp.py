@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import vmap
+from toy import W_PATH, block_data, gd, path_sim, tanh_loss, tanh_net
 
 from hyperfed.algorithms.base import (
     ClientContext,
@@ -21,13 +20,11 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.dfedhp import DFedHPClient, DFedHPParams
 from hyperfed.config import load_config
-from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig
 from hyperfed.engine.topology import GossipParams
 from hyperfed.hypernet.filter import FilterHypernet
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.split import body_head
-from hyperfed.models.zoo import ZooNet
 from hyperfed.runtime.driver import BEFORE_GOSSIP_KEYS, EvalCounts, Exchange, RoundDriver
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.simulate import Simulation
@@ -166,7 +163,7 @@ def test_dfedhp_resumes_from_a_checkpoint() -> None:
 def test_two_rounds_complete(alg: str) -> None:
     records = _sim(alg, "rounds=2").run()
     assert [r["round"] for r in records] == [1, 2]
-    assert all(0 <= r["mean_acc"] <= 1 and math.isfinite(r["train_loss"]) for r in records)
+    assert all(math.isfinite(r["train_loss"]) for r in records)
     assert records[-1]["bytes_up_per_client"] > 0
 
 
@@ -208,39 +205,6 @@ def test_bad_hyperparameters_are_config_errors() -> None:
 N_BODY, N_HEAD = 8, 6
 TINY_HN = dict(embed_dim=2, hidden=2, rows=2, cols=3)  # blocks of 2x3: B = 2, 12 -> [:8]
 HN_TINY = FilterHypernet(N_BODY, **TINY_HN)
-# the path 0 - 1 - 2 and its Metropolis-Hastings W (degrees 1, 2, 1; Definition 1 (i)-(iv))
-PATH = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 1, 0]], dtype=torch.bool)
-W_PATH = torch.tensor(
-    [[2 / 3, 1 / 3, 0.0], [1 / 3, 1 / 3, 1 / 3], [0.0, 1 / 3, 2 / 3]], dtype=torch.float64
-)
-
-
-def tiny_model(dtype: torch.dtype = torch.float64) -> FunctionalModel:
-    torch.manual_seed(0)
-    module = ZooNet(nn.Sequential(nn.Linear(3, 2), nn.Tanh()), (3,), 2).to(dtype)
-    fm = FunctionalModel(module, "tiny")
-    assert fm.layout.names == [
-        "features.0.weight",
-        "features.0.bias",
-        "classifier.weight",
-        "classifier.bias",
-    ]
-    return fm
-
-
-def tiny_data(
-    n_clients: int, n_train: int = 4, n_test: int = 3, dtype: torch.dtype = torch.float64
-) -> FederatedData:
-    """Vectors ``x in R^3``, 2 classes; client c owns a contiguous block of samples."""
-    g = torch.Generator().manual_seed(0)
-    per = n_train + n_test
-    x = torch.randn(n_clients * per, 3, generator=g, dtype=torch.float64).to(dtype)
-    y = torch.randint(0, 2, (n_clients * per,), generator=g)
-    train = [torch.arange(c * per, c * per + n_train) for c in range(n_clients)]
-    test = [torch.arange(c * per + n_train, (c + 1) * per) for c in range(n_clients)]
-    empty = [torch.zeros(0, dtype=torch.long) for _ in range(n_clients)]
-    none = torch.zeros(0)
-    return FederatedData(x, y, train, empty, test, 2, (3,), none, none, "tiny", dtype)
 
 
 def hand_h(phi: Tensor, z: Tensor, embed_dim: int, hidden: int, rows: int, cols: int) -> Tensor:
@@ -257,21 +221,6 @@ def hand_h(phi: Tensor, z: Tensor, embed_dim: int, hidden: int, rows: int, cols:
         blk = a @ w2.view(H, S) / math.sqrt(B * R * H) + b2 / math.sqrt(B * R)
         blocks.append(blk.reshape(-1))
     return torch.cat(blocks)[:N_BODY]
-
-
-def tiny_loss(body: Tensor, head: Tensor, x: Tensor, y: Tensor) -> Tensor:
-    """F_i: mean cross-entropy of ``tanh(x W1^T + b1) Wc^T + bc`` (written by hand)."""
-    feats = torch.tanh(x @ body[:6].view(2, 3).T + body[6:8])
-    return F.cross_entropy(feats @ head[:4].view(2, 2).T + head[4:6], y)
-
-
-def gd(f: Callable[[Tensor], Tensor], p: Tensor, lr: float, steps: int) -> Tensor:
-    """``steps`` plain gradient steps ``p <- p - lr grad f(p)``."""
-    for _ in range(steps):
-        q = p.detach().requires_grad_(True)
-        (g,) = torch.autograd.grad(f(q), q)
-        p = (q - lr * g).detach()
-    return p
 
 
 def alg1_local(
@@ -292,15 +241,15 @@ def alg1_local(
         return base + hand_h(p, zz, **TINY_HN)
 
     fixed = body(phi, z).detach()
-    v = gd(lambda q: tiny_loss(fixed, q, x, y), v, hp.lr_v or lr, hp.epochs_v * steps_per_epoch)
+    v = gd(lambda q: tanh_loss(fixed, q, x, y), v, hp.lr_v or lr, hp.epochs_v * steps_per_epoch)
     phi = gd(
-        lambda q: tiny_loss(body(q, z), v, x, y),
+        lambda q: tanh_loss(body(q, z), v, x, y),
         phi,
         hp.lr_phi or lr,
         hp.epochs_phi * steps_per_epoch,
     )
     z = gd(
-        lambda q: tiny_loss(body(phi, q), v, x, y), z, hp.lr_z or lr, hp.epochs_z * steps_per_epoch
+        lambda q: tanh_loss(body(phi, q), v, x, y), z, hp.lr_z or lr, hp.epochs_z * steps_per_epoch
     )
     return phi, z, v
 
@@ -363,9 +312,9 @@ def test_shared_part_is_generated_and_personal_part_is_local() -> None:
     """Eq. 2: theta_i = (h(phi_i, z_i), v_i): the body (features.*, every entry outside the
     head) is theta0_body + h(phi_i, z_i); the head (classifier.*) is v_i itself. Changing phi
     or z moves only body entries; changing v only head entries."""
-    fm = tiny_model()
+    fm = tanh_net()
     client = tiny_client(HP_ALG1)
-    group = ClientGroup(fm, [0, 1], tiny_data(2), 1, 0, full_batch(4))
+    group = ClientGroup(fm, [0, 1], block_data(2), 1, 0, full_batch(4))
     state = tiny_state(2, HP_ALG1)
     theta, _ = client.eval_model(group, {}, state)
     base = fm.initial_params()[:N_BODY]
@@ -400,7 +349,7 @@ def test_local_update_is_v_then_phi_then_z() -> None:
     K_phi = 2 epochs on phi with v^{t+1}, then K_z = 3 epochs on z with the *updated* phi,
     each at its own rate. Fails if z is trained before phi, if phi and z are trained jointly,
     if the body is trainable in the v step, or if epochs / rates are swapped."""
-    fm, data = tiny_model(), tiny_data(2)
+    fm, data = tanh_net(), block_data(2)
     client = tiny_client(HP_ALG1)
     group = ClientGroup(fm, [0, 1], data, 1, 0, full_batch(4), vectorize=False)
     state = tiny_state(2, HP_ALG1)
@@ -426,10 +375,10 @@ def test_local_update_is_v_then_phi_then_z() -> None:
     def body(p: Tensor, zz: Tensor) -> Tensor:
         return base + hand_h(p, zz, **TINY_HN)
 
-    z_first = gd(lambda q: tiny_loss(body(phi0, q), v1, x, y), z0, 0.4, 3)
+    z_first = gd(lambda q: tanh_loss(body(phi0, q), v1, x, y), z0, 0.4, 3)
     assert not torch.allclose(new["z"][0], z_first, atol=1e-6)
     n = phi0.numel()
-    joint = gd(lambda q: tiny_loss(body(q[:n], q[n:]), v1, x, y), torch.cat([phi0, z0]), 0.3, 2)
+    joint = gd(lambda q: tanh_loss(body(q[:n], q[n:]), v1, x, y), torch.cat([phi0, z0]), 0.3, 2)
     assert not torch.allclose(new["phi"][0], joint[:n], atol=1e-6)
 
 
@@ -445,7 +394,7 @@ def test_joint_phi_z_is_the_dfedalt_plus_hp_variant() -> None:
         lr_phi=0.3,
         joint_phi_z=True,
     )
-    fm, data = tiny_model(), tiny_data(1)
+    fm, data = tanh_net(), block_data(1)
     state = tiny_state(1, hp)
     group = ClientGroup(fm, [0], data, 1, 0, full_batch(4), vectorize=False)
     _, new, _ = tiny_client(hp).fit(group, {}, state)
@@ -453,11 +402,11 @@ def test_joint_phi_z_is_the_dfedalt_plus_hp_variant() -> None:
     base = fm.initial_params()[:N_BODY]
     phi0, z0 = state["phi"][0], state["z"][0]
     fixed = base + hand_h(phi0, z0, **TINY_HN)
-    v = gd(lambda q: tiny_loss(fixed, q, x, y), state["head"][0], 0.5, 1)
+    v = gd(lambda q: tanh_loss(fixed, q, x, y), state["head"][0], 0.5, 1)
     n = phi0.numel()
 
     def joint_loss(q: Tensor) -> Tensor:
-        return tiny_loss(base + hand_h(q[:n], q[n:], **TINY_HN), v, x, y)
+        return tanh_loss(base + hand_h(q[:n], q[n:], **TINY_HN), v, x, y)
 
     pz = gd(joint_loss, torch.cat([phi0, z0]), 0.3, 2)
     assert torch.allclose(new["head"][0], v, atol=1e-12)
@@ -473,7 +422,7 @@ def test_phase_epochs_are_passes_over_the_local_data() -> None:
     hp = DFedHPParams(
         generation="residual", **TINY_HN, epochs_v=1, epochs_phi=2, epochs_z=1
     )  # lrs: [local] lr
-    fm, data = tiny_model(), tiny_data(1)
+    fm, data = tanh_net(), block_data(1)
     data.x[data.train_idx[0]] = data.x[data.train_idx[0][0]].clone()
     data.y[data.train_idx[0]] = 1
     state = tiny_state(1, hp)
@@ -504,33 +453,14 @@ def _tiny_dfedhp_sim(dtype: torch.dtype = torch.float64) -> Simulation:
         f"algorithm.{k}={getattr(HP_ALG1, k)}"
         for k in ("epochs_v", "epochs_phi", "epochs_z", "lr_v", "lr_phi", "lr_z")
     ]
-    cfg = load_config(
-        None,
-        [
-            "device=cpu",
-            "clients.models=mlp",
-            "clients.count=3",
-            "partition.name=iid",
-            "local.batch_size=4",
-            "local.lr=0.1",
-            "local.momentum=0",
-            "local.weight_decay=0",
-            "local.vectorize=off",
-            "algorithm.name=dfedhp",
-            "algorithm.generation=residual",  # the hand formulas below add theta0_body
-            'algorithm.topology="ring"',
-            *hn,
-            *phases,
-            "seed=0",
-        ],
-    )
-    sim = Simulation(cfg, data=tiny_data(3, dtype=dtype))
-    sim.models["mlp"] = tiny_model(dtype)  # the one architecture, replaced by the tiny one
-    state = tiny_state(3, HP_ALG1, dtype)
-    sim.store = {c: {k: v[c] for k, v in state.items()} for c in range(3)}
-    assert sim.gossip is not None
-    sim.gossip.adj = PATH
-    return sim
+
+    def store() -> dict[int, dict[str, Tensor]]:
+        state = tiny_state(3, HP_ALG1, dtype)
+        return {c: {k: v[c] for k, v in state.items()} for c in range(3)}
+
+    # the hand formulas below add theta0_body
+    sets = ["algorithm.generation=residual", *hn, *phases]
+    return path_sim("dfedhp", 3, store, dtype, *sets)
 
 
 def test_gossip_mixes_phi_and_z_through_w_never_v() -> None:
@@ -578,7 +508,7 @@ def test_evaluated_model_is_generated_from_the_mixed_hypernetwork() -> None:
     for c in range(3):
         body = base + hand_h(phi[c], z[c], **TINY_HN)
         x, y = sim.data.batch(sim.data.test_idx[c])
-        expected.append(float(tiny_loss(body, v[c], x.double(), y)))
+        expected.append(float(tanh_loss(body, v[c], x.double(), y)))
     assert sim.evaluate()["test_loss"] == pytest.approx(sum(expected) / 3, rel=1e-5)
 
 

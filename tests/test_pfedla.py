@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from toy import tiny_mlp, toy_federation
 
-from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext
+from hyperfed.algorithms.base import (
+    ClientContext,
+    ClientGroup,
+    ServerContext,
+    unstack_payload,
+)
 from hyperfed.algorithms.pfedla import (
     PFedLAParams,
     PFedLAServer,
@@ -30,6 +35,8 @@ from hyperfed.algorithms.pfedla import (
 from hyperfed.engine.local import SGDConfig
 from hyperfed.errors import ConfigError
 from hyperfed.models.select import module_layers
+from hyperfed.runtime.driver import RoundDriver
+from hyperfed.runtime.simulate import InMemoryTransport
 
 CPU = torch.device("cpu")
 N = 3  # clients
@@ -244,6 +251,82 @@ def test_client_trains_received_model_and_returns_its_update():
     assert torch.allclose(reply["delta"][0], -0.4 * g, rtol=0, atol=1e-12)
     evaluated, _ = client.eval_model(group, {"theta": theta[None]}, state)
     assert torch.equal(evaluated[0], theta)
+
+
+def test_each_client_is_scored_with_its_aggregated_model_not_its_stored_one():
+    """Step 4: client i is evaluated with theta_bar_i = sum_j alpha_i^{l,j} theta_j^l, the
+    model the server sends it, not with its stored theta~_i; scored through the simulator's
+    evaluation path (driver -> configure_eval -> eval_model -> forward on the test split).
+
+    Tiny MLP ``logits = W2 relu(W1 x + b1) + b2`` (I: identity, S: the 2x2 swap):
+    stored theta_0 = (I, 0, I, 0), theta_1 = (S, 0, S, (0, 10)); alpha_0 = ([0, 1], [1, 0])
+    gives theta_bar_0 = (S, 0, I, 0), alpha_1 = ([1, 0], [0.9, 0.1]) gives theta_bar_1 =
+    (I, 0, 0.9 I + 0.1 S, (0, 1)). On A = (2, 1), B = (1, 3), C = (3, 0.5), D = (0.5, 1):
+    theta_bar_0 predicts 1, 0, 1, 0 (the smaller coordinate), theta_0 0, 1, 0, 1; theta_bar_1
+    predicts class 0 iff 0.8 (x_1 - x_2) > 1: 1, 1, 0, 1; theta_1 always 1. With labels
+    1, 0, 1, 1 (client 0) and 0, 1, 0, 1 (client 1) the aggregated models score 3/4 and 3/4,
+    the stored ones 1/4 and 2/4, each other's aggregated models 2/4 and 0/4."""
+    fm = tiny_mlp(2, 2, 2)
+    eye = torch.eye(2, dtype=torch.float64)
+    swap = torch.tensor([[0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+    zero = torch.zeros(2, dtype=torch.float64)
+
+    def flat(w1, b1, w2, b2):  # fc.0.weight, fc.0.bias, classifier.weight, classifier.bias
+        return torch.cat([w1.reshape(-1), b1, w2.reshape(-1), b2])
+
+    x = torch.tensor([[2.0, 1.0], [1.0, 3.0], [3.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    ys = [torch.tensor([1, 0, 1, 1]), torch.tensor([0, 1, 0, 1])]
+    data = toy_federation(
+        torch.cat([x, x]), torch.cat(ys), [torch.arange(4), 4 + torch.arange(4)], 2
+    )
+    joins = {c: {"num_params": torch.tensor(12), "num_samples": torch.tensor(4)} for c in (0, 1)}
+    server = PFedLAServer(HP, joins, ServerContext(0, CPU, 2, (2,), {"tiny": fm}))
+    server.hnets.double()
+    server.models = torch.stack(
+        [flat(eye, zero, eye, zero), flat(swap, zero, swap, torch.tensor([0.0, 10.0]))]
+    ).double()
+    with torch.no_grad():  # alpha_i^l = relu(b_l) / sum: the output layer's bias alone
+        server.hnets.out_weight.zero_()
+        server.hnets.out_bias.copy_(
+            torch.tensor([[[0.0, 1.0], [1.0, 0.0]], [[1.0, 0.0], [0.9, 0.1]]])
+        )
+    bars = [
+        flat(swap, zero, eye, zero),
+        flat(eye, zero, 0.9 * eye + 0.1 * swap, torch.tensor([0.0, 1.0], dtype=torch.float64)),
+    ]
+    client = UpdateClient(HP, ClientContext(0, CPU, 2, (2,)))
+    sgd = SGDConfig(lr=0.1, momentum=0.0, weight_decay=0.0, epochs=1, batch_size=4)
+
+    def make_group(name: str, part: list[int], rnd: int) -> ClientGroup:
+        return ClientGroup(fm, part, data, rnd=rnd, seed=0, sgd=sgd, vectorize=False)
+
+    store = dict(enumerate(unstack_payload(client.init_state(fm, 2), 2)))
+    transport = InMemoryTransport(
+        client, store, {"tiny": [0, 1]}, make_group, data, {"tiny": fm}, False
+    )
+    driver = RoundDriver(
+        server,
+        transport,
+        num_clients=2,
+        participation=1.0,
+        seed=0,
+        arch_of=["tiny"] * 2,
+        order=[0, 1],
+    )
+    record = driver.evaluate()
+
+    def hand(theta: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """(accuracy, mean cross-entropy) of the tiny MLP written out."""
+        z = torch.relu(x @ theta[:4].view(2, 2).T + theta[4:6]) @ theta[6:10].view(2, 2).T
+        z = z + theta[10:]
+        return float((z.argmax(1) == y).double().mean()), float(F.cross_entropy(z, y))
+
+    assert [hand(bars[c], ys[c])[0] for c in (0, 1)] == [0.75, 0.75]  # the derivation above
+    assert [hand(server.models[c], ys[c])[0] for c in (0, 1)] == [0.25, 0.5]
+    assert [hand(bars[1 - c], ys[c])[0] for c in (0, 1)] == [0.5, 0.0]
+    assert record["client_acc"] == [0.75, 0.75]
+    loss = sum(hand(bars[c], ys[c])[1] for c in (0, 1)) / 2
+    assert record["test_loss"] == pytest.approx(loss, rel=1e-6)  # float32 sums
 
 
 def test_heterogeneous_clients_are_refused(small_sim):
