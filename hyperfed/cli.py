@@ -6,12 +6,13 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import typer
 from rich.markup import escape
 from rich.progress import (
@@ -23,6 +24,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from typer.core import TyperGroup
 
 from hyperfed.deploy.cli import ConfigOpt, ForceOpt, SetOpt, flower_cli
 from hyperfed.errors import HyperfedError
@@ -38,7 +40,24 @@ from hyperfed.terminal import (
     say,
 )
 
+
+class _ErrorBoundary(TyperGroup):
+    """The one place where a :class:`HyperfedError` raised by any command (``hyperfed flower``'s
+    too, and their option callbacks) becomes ``error: <message>`` on stderr and exit code 2.
+
+    Commands let it propagate: their ``with`` blocks (progress bars, a run directory's lock)
+    close before the line is printed. What a command knows and the error does not (a resume
+    hint that needs the run directory) it still adds in its own ``except``."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except HyperfedError as e:
+            fail(str(e))
+
+
 app = typer.Typer(
+    cls=_ErrorBoundary,
     help="Personalized federated learning with hypernetworks across heterogeneous clients.",
     no_args_is_help=True,
     add_completion=True,  # hyperfed --install-completion / --show-completion (bash, zsh, fish)
@@ -61,6 +80,33 @@ def progress_with_last(eta: bool = True) -> Progress:
     if eta:
         columns += [TextColumn("eta"), TimeRemainingColumn()]
     return Progress(*columns, console=console)
+
+
+@contextlib.contextmanager
+def batch_bar(
+    label: str, total: int | None = None, eta: bool = True, echo: str = ""
+) -> Iterator[tuple[Callable[[int, int, str], None], Callable[[dict[str, Any]], None]]]:
+    """A batch's bar (:func:`progress_with_last`) held while the batch runs: gives its
+    ``on_progress(ended, total, last line)`` and the sweep's ``on_running`` (:func:`live_runs`).
+    With ``echo`` (``runs ended``), off a terminal each new last line is also printed,
+    ``<label>: 3/8 runs ended (<line>)``."""
+    with progress_with_last(eta) as progress:
+        task = progress.add_task(label, total=total, last="")
+
+        def on_progress(ended: int, total: int, line: str) -> None:
+            progress.update(task, completed=ended, total=total, last=line)
+            if echo and line and not console.is_terminal:
+                say(f"{label}: {ended}/{total} {echo} ({line})")
+
+        yield on_progress, live_runs(progress, label)
+
+
+def parse_seeds(seeds: str) -> list[int]:
+    """``--seeds 0,1,2`` as integers; anything else is a one-line error."""
+    try:
+        return [int(s) for s in seeds.split(",")]
+    except ValueError:
+        fail(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2")
 
 
 def live_runs(progress: Progress, label: str) -> Callable[[dict[str, Any]], None]:
@@ -108,30 +154,26 @@ def run(
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     with contextlib.ExitStack() as held:
-        try:
-            if resume is not None:
-                if config is not None:  # --set rounds=N alone may change it (resume_run)
-                    fail(
-                        "--resume takes its config from the run directory; drop --config "
-                        "(--set rounds=N alone extends the run)"
-                    )
-                if not (resume / "config.toml").exists():
-                    fail(f"--resume {resume}: not a run directory (no config.toml)")
-                held.enter_context(RunDir(resume).locked())
-                sim, run_dir, start = resume_run(resume, set_ or [])
-            else:
-                cfg = load_config(config, set_ or [])
-                stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-                run_dir = RunDir(out or Path("runs") / f"{stamp}-{cfg.algorithm.name}")
-                if out is not None and out.exists() and not out.is_dir():
-                    fail(f"--out {out} is a file; choose a folder")
-                held.enter_context(run_dir.locked())  # before any work: a second run is refused
-                check_new_run(run_dir.path, force, resume=f"--resume {run_dir.path}")
-                sim = build_simulation(cfg)
-                start = 0
-        except HyperfedError as e:
-            fail(str(e))
-            return
+        if resume is not None:
+            if config is not None:  # --set rounds=N alone may change it (resume_run)
+                fail(
+                    "--resume takes its config from the run directory; drop --config "
+                    "(--set rounds=N alone extends the run)"
+                )
+            if not (resume / "config.toml").exists():
+                fail(f"--resume {resume}: not a run directory (no config.toml)")
+            held.enter_context(RunDir(resume).locked())
+            sim, run_dir, start = resume_run(resume, set_ or [])
+        else:
+            cfg = load_config(config, set_ or [])
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            run_dir = RunDir(out or Path("runs") / f"{stamp}-{cfg.algorithm.name}")
+            if out is not None and out.exists() and not out.is_dir():
+                fail(f"--out {out} is a file; choose a folder")
+            held.enter_context(run_dir.locked())  # before any work: a second run is refused
+            check_new_run(run_dir.path, force, resume=f"--resume {run_dir.path}")
+            sim = build_simulation(cfg)
+            start = 0
         try:
             _run_with_progress(sim, run_dir, start, quiet)
         except KeyboardInterrupt:  # Ctrl-C: say how to go on, as sweep and reproduce do
@@ -206,15 +248,13 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
                 f"no space left on device; run directory kept at {run_dir.path}, free some "
                 f"space and continue with: hyperfed run --resume {run_dir.path}"
             )
-        except CheckpointWriteError as e:  # its message says whether a checkpoint is kept
+        except CheckpointWriteError as e:  # a HyperfedError; the hint needs the run directory
             again = (
                 f"continue with: hyperfed run --resume {run_dir.path}"
                 if (run_dir.path / CHECKPOINT).exists()
                 else f"run again with --out {run_dir.path} --force"
             )
             fail(f"{e}; free some space and {again}")
-        except HyperfedError as e:  # e.g. a method that needs what the client model lacks
-            fail(str(e))
         finally:
             if isinstance(phases, LineReporter):
                 phases.close()
@@ -264,10 +304,7 @@ def list_(
     classes: Annotated[int, typer.Option(help="Number of classes for parameter counts.")] = 100,
 ) -> None:
     """List algorithms, models (with parameter counts), datasets or partitions."""
-    try:
-        _list_table(what, input_shape, classes)
-    except HyperfedError as e:  # e.g. a plugin whose name clashes with a built-in
-        fail(str(e))
+    _list_table(what, input_shape, classes)
 
 
 def _skip_faulty(kind: str, name: str, e: Exception) -> None:
@@ -370,18 +407,15 @@ def export(
     from hyperfed.export import check_target, export_federation
     from hyperfed.runtime.simulate import load_federation
 
-    try:
-        check_target(out, format_, force)  # before any work
-        cfg = load_config(config, set_ or [])
-        data = load_federation(cfg, torch.device("cpu"))
-        with Progress(
-            TextColumn("[bold blue]export"), MofNCompleteColumn(), BarColumn(), console=console
-        ) as progress:
-            task = progress.add_task("clients", total=data.num_clients)
-            tick = lambda done, total: progress.update(task, completed=done)  # noqa: E731
-            names = export_federation(data, out, format_, config=cfg, force=force, progress=tick)
-    except HyperfedError as e:
-        fail(str(e))
+    check_target(out, format_, force)  # before any work
+    cfg = load_config(config, set_ or [])
+    data = load_federation(cfg, torch.device("cpu"))
+    with Progress(
+        TextColumn("[bold blue]export"), MofNCompleteColumn(), BarColumn(), console=console
+    ) as progress:
+        task = progress.add_task("clients", total=data.num_clients)
+        tick = lambda done, total: progress.update(task, completed=done)  # noqa: E731
+        names = export_federation(data, out, format_, config=cfg, force=force, progress=tick)
     console.print(f"wrote {', '.join(names)} in {out}/ (README.txt says what is where)")
 
 
@@ -416,34 +450,19 @@ def tune(
     from hyperfed.tune import tune as run_tune
 
     request = TuneRequest(config, tuple(set_ or []), trials, seed)
-    try:
-        cfg = request.base_config()
-        space = search_space(cfg.algorithm.name, cfg.hparams())
-    except HyperfedError as e:
-        fail(str(e))
-        return
+    cfg = request.base_config()
+    space = search_space(cfg.algorithm.name, cfg.hparams())
     say(f"tuning on the validation split: {', '.join(space)}")
-    with progress_with_last() as progress:
-        task = progress.add_task("tune", total=trials, last="")
-
-        def on_progress(done: int, total: int, line: str) -> None:
-            progress.update(task, completed=done, total=total, last=line)
-            if line and not console.is_terminal:
-                say(f"tune: {done}/{total} trials ({line})")
-
-        try:
+    try:
+        with batch_bar("tune", total=trials, echo="trials") as (on_progress, _):
             best = run_tune(out, request, parallel=parallel, on_progress=on_progress)
-        except NoTrialCompleted as e:  # every trial pruned or failed: each failure, then why
-            progress.stop()
-            for name, why in e.failed:
-                print_failed(name, why)
-            fail(str(e), code=1)
-        except HyperfedError as e:
-            fail(str(e))
-            return
-        except KeyboardInterrupt:
-            say(f"interrupted; the same command resumes the study in {out}", err=True)
-            raise typer.Exit(130) from None
+    except NoTrialCompleted as e:  # a HyperfedError that exits 1, after each failure's line
+        for name, why in e.failed:
+            print_failed(name, why)
+        fail(str(e), code=1)
+    except KeyboardInterrupt:
+        say(f"interrupted; the same command resumes the study in {out}", err=True)
+        raise typer.Exit(130) from None
     for name, why in best["failed"]:
         print_failed(name, why)
     if best["failed"]:
@@ -487,21 +506,11 @@ def sweep(
     call it again with only --out S to resume; hyperfed report S gives mean ± std over seeds."""
     from hyperfed.sweep import checkpoint_bytes, run_sweep
 
-    try:
-        seed_list = [int(s) for s in seeds.split(",")] if seeds else []
-    except ValueError:
-        fail(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2")
+    seed_list = parse_seeds(seeds) if seeds else []
     if out.exists() and not out.is_dir():
         fail(f"--out {out} is a file; choose a folder for the sweep")
-    with progress_with_last() as progress:
-        task = progress.add_task("sweep", total=None, last="")
-
-        def on_progress(ended: int, total: int, line: str) -> None:
-            progress.update(task, completed=ended, total=total, last=line)
-            if line and not console.is_terminal:
-                say(f"sweep: {ended}/{total} runs ended ({line})")
-
-        try:
+    try:
+        with batch_bar("sweep", echo="runs ended") as (on_progress, on_running):
             result = run_sweep(
                 out,
                 config=config,
@@ -511,14 +520,11 @@ def sweep(
                 threads=threads,
                 on_progress=on_progress,
                 drop_checkpoints=drop_checkpoints,
-                on_running=live_runs(progress, "sweep"),
+                on_running=on_running,
             )
-        except HyperfedError as e:
-            fail(str(e))
-            return
-        except KeyboardInterrupt:
-            say(f"interrupted; resume with: hyperfed sweep --out {out}", err=True)
-            raise typer.Exit(130) from None
+    except KeyboardInterrupt:
+        say(f"interrupted; resume with: hyperfed sweep --out {out}", err=True)
+        raise typer.Exit(130) from None
     for name, why in result.failed:
         print_failed(name, why)
     say(f"sweep {out}: {run_counts(len(result.done), len(result.failed), len(result.skipped))}")
@@ -574,112 +580,66 @@ def reproduce(
     ] = False,
 ) -> None:
     """Run a paper table's comparison and print it beside the paper's figures."""
-    from hyperfed.report import run_algorithm, run_summary, write_report
-    from hyperfed.reproduce import (
-        TARGETS,
-        chosen_methods,
-        compare,
-        dry_run_lines,
-        get_target,
-        list_estimate,
-        markdown,
-        runs_method,
-        sweep_args,
-        tuned_runs,
-    )
-    from hyperfed.sweep import run_sweep, sweep_runs
+    from hyperfed.reproduce import ReproduceRequest, dry_run_lines, run_reproduce
 
     if list_targets or target is None:
-        table = Table("target", "what", "methods", "config", "scales", "runs", "estimate")
-        table.columns[0].no_wrap = True  # a key is what --list is read for
-        table.caption = (
-            "runs: methods x 3 seeds; estimate: on this machine, one at a time, as the last "
-            "--dry-run of the target probed it (per scale)"
-        )
-        for t in TARGETS.values():
-            table.add_row(
-                t.key,
-                t.title,
-                ", ".join(t.methods),
-                t.config,
-                ", ".join(t.scales()),
-                f"{3 * len(t.methods)}",
-                escape(list_estimate(t, out)),
-            )
-        console.print(table)
+        _print_targets(out)
         if target is None:
             return
     assert target is not None
+    seed_list = parse_seeds(seeds)
+    request = ReproduceRequest.make(
+        target,
+        out=out,
+        seeds=seed_list,
+        scale=scale,
+        methods=methods,
+        configs=configs,
+        tuned=tuned,
+        trials=trials,
+    )
     try:
-        seed_list = [int(s) for s in seeds.split(",")]
-    except ValueError:
-        fail(f"--seeds {seeds!r}: expected integers separated by commas, e.g. 0,1,2")
-    try:
-        t = get_target(target)
-        chosen = chosen_methods(t, methods)
-        config, sets = sweep_args(t, scale, configs)
-        if tuned:
-            from hyperfed.tune import require_optuna
-
-            require_optuna()  # before the default sweep, not after it
-        folder = out / f"{t.key.replace(':', '-')}-{scale}"
         if dry_run:
-            lines = dry_run_lines(t, scale, configs, folder, chosen, seed_list, tuned, trials)
-            for line in lines:
+            for line in dry_run_lines(request):
                 say(line)
             return
-        with progress_with_last(eta=False) as progress:
-            task = progress.add_task(t.key, total=None, last="")
-
-            def on_progress(ended: int, total: int, line: str) -> None:
-                progress.update(task, completed=ended, total=total, last=line)
-
-            result = run_sweep(
-                folder,
-                config=config,
-                sets=sets,
-                seeds=seed_list,
-                parallel=parallel,
-                on_progress=on_progress,
-                only=runs_method(chosen),
-                on_running=live_runs(progress, t.key),
-            )
-        # the default sweep's runs (one level down; --tuned's are under tuned/<method>/)
-        runs = [
-            r for r in sweep_runs([folder]) if r.parent == folder and run_algorithm(r) in chosen
-        ]
-        default = compare(t, [run_summary(r) for r in runs], chosen)
-        if tuned:
-            with progress_with_last(eta=False) as progress:
-                task = progress.add_task(f"{t.key} tuned", total=None, last="")
-
-                def on_tune(done: int, total: int, line: str) -> None:
-                    progress.update(task, completed=done, total=total, last=line)
-
-                tuned_dirs, _ = tuned_runs(
-                    t, scale, configs, folder, chosen, seed_list, trials, parallel, on_tune, result
-                )
-            tuned_result = compare(t, [run_summary(r) for r in tuned_dirs], chosen)
-            text = markdown(t, default, seed_list, tuned_result, trials, scale)
-            write_report(tuned_dirs, folder / "report-tuned")
-        else:
-            text = markdown(t, default, seed_list, scale=scale)
-        write_report(runs, folder / "report")
-        (folder / "reproduce.md").write_text(text)
-    except HyperfedError as e:
-        fail(str(e))
-        return
+        bar = lambda label: batch_bar(label, eta=False)  # noqa: E731
+        outcome = run_reproduce(request, parallel, bar)
     except KeyboardInterrupt:
-        say(f"interrupted; the same command resumes it ({folder})", err=True)
+        say(f"interrupted; the same command resumes it ({request.folder})", err=True)
         raise typer.Exit(130) from None
-    say(text)
-    say(f"wrote {folder / 'reproduce.md'} and {folder / 'report'}/")
-    for name, why in result.failed:
+    result = outcome.runs
+    say(outcome.text)
+    say(f"wrote {request.folder / 'reproduce.md'} and {request.folder / 'report'}/")
+    for name, why in [*outcome.failed_trials, *result.failed]:
         print_failed(name, why)
     counts = run_counts(len(result.done), len(result.failed), len(result.skipped))
-    say(f"{t.key} runs: {counts}")
+    say(f"{request.target.key} runs: {counts}")
     if result.failed:
         raise typer.Exit(1)
+
+
+def _print_targets(out: Path) -> None:
+    """``reproduce --list``: every target, its methods, scales and recorded estimate."""
+    from hyperfed.reproduce import TARGETS, list_estimate
+
+    table = Table("target", "what", "methods", "config", "scales", "runs", "estimate")
+    table.columns[0].no_wrap = True  # a key is what --list is read for
+    table.caption = (
+        "runs: methods x 3 seeds; estimate: on this machine, one at a time, as the last "
+        "--dry-run of the target probed it (per scale)"
+    )
+    for t in TARGETS.values():
+        table.add_row(
+            t.key,
+            t.title,
+            ", ".join(t.methods),
+            t.config,
+            ", ".join(t.scales()),
+            f"{3 * len(t.methods)}",
+            escape(list_estimate(t, out)),
+        )
+    console.print(table)
 
 
 @app.command()
@@ -729,12 +689,8 @@ def report(
         fail(f"--out {out} is a file; choose a folder for the report")
     if (out / "report.md").exists() and not force:
         fail(f"{out} already holds a report; --force replaces it, or choose another --out")
-    try:
-        path = write_report(runs, out, target)
-        say(report_text([run_summary(r) for r in runs], target))
-    except HyperfedError as e:
-        fail(str(e))
-        return
+    path = write_report(runs, out, target)
+    say(report_text([run_summary(r) for r in runs], target))
     say(f"wrote {path} and plots in {out}/")
 
 
@@ -782,36 +738,33 @@ def bench(
     from hyperfed.bench import parse_models, run_benchmark, step_table
 
     printer = lambda line: console.print(line, highlight=False, soft_wrap=True)  # noqa: E731
-    try:
-        if models is not None:
-            step_table(
-                parse_models(models),
-                shape=tuple(int(s) for s in shape.split(",")),
-                classes=classes,
-                batch_size=batch_size,
-                compile=compile_,
-                device=device,
-                printer=printer,
-            )
-            return
-        run_benchmark(
-            clients=clients,
-            samples=samples,
+    if models is not None:
+        step_table(
+            parse_models(models),
             shape=tuple(int(s) for s in shape.split(",")),
             classes=classes,
-            hetero=hetero,
-            rounds=rounds,
-            modes=tuple(m.strip() for m in modes.split(",")),
-            algorithm=algorithm,
-            device=device,
             batch_size=batch_size,
-            epochs=epochs,
-            profile=profile,
-            repeat=repeat,
+            compile=compile_,
+            device=device,
             printer=printer,
         )
-    except HyperfedError as e:
-        fail(str(e))
+        return
+    run_benchmark(
+        clients=clients,
+        samples=samples,
+        shape=tuple(int(s) for s in shape.split(",")),
+        classes=classes,
+        hetero=hetero,
+        rounds=rounds,
+        modes=tuple(m.strip() for m in modes.split(",")),
+        algorithm=algorithm,
+        device=device,
+        batch_size=batch_size,
+        epochs=epochs,
+        profile=profile,
+        repeat=repeat,
+        printer=printer,
+    )
 
 
 class Distance(str, Enum):
@@ -858,21 +811,16 @@ def attack(
             task = progress.add_task(label, total=total)
             return lambda: progress.update(task, advance=1)
 
-        try:
-            cfg = load_config(config, set_ or [])
-            report = run_attack(
-                cfg,
-                client=client,
-                images=images,
-                round_=round_,
-                distance=distance.value,
-                iters=iters,
-                progress=tick,
-            )
-        except HyperfedError as e:
-            progress.stop()
-            fail(str(e))
-            return
+        cfg = load_config(config, set_ or [])
+        report = run_attack(
+            cfg,
+            client=client,
+            images=images,
+            round_=round_,
+            distance=distance.value,
+            iters=iters,
+            progress=tick,
+        )
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
         paths = save_report(report, out or Path("runs") / f"{stamp}-attack", cfg)

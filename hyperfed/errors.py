@@ -2,8 +2,9 @@
 
 Every error a user can cause with a config, a data file, a run directory or a command-line
 option derives from :class:`HyperfedError`; its message is one line that says what is wrong
-and how to fix it. The command line catches this class in one place, prints the message and
-exits with code 2, before any work or after leaving the run directory as it was.
+and how to fix it. The command line catches this class in one place (the command group of
+``hyperfed.cli``, around every command), prints ``error: <message>`` and exits with code 2,
+before any work or after leaving the run directory as it was.
 """
 
 from __future__ import annotations

@@ -16,17 +16,19 @@ are what is checked.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hyperfed.errors import HyperfedError
+from hyperfed.errors import HyperfedError, did_you_mean
 from hyperfed.report import METRIC_NOTE, plateaued, row_gain, unsound
 
 if TYPE_CHECKING:
-    from hyperfed.sweep import SweepPoint, SweepResult
+    from hyperfed.sweep import LiveRun, SweepPoint, SweepResult
 
 
 class ReproduceError(HyperfedError, ValueError):
@@ -365,8 +367,8 @@ TARGETS: dict[str, Target] = {
 def get_target(key: str) -> Target:
     if key not in TARGETS:
         raise ReproduceError(
-            f"unknown target {key!r}; choose one of: {', '.join(TARGETS)} "
-            "(hyperfed reproduce --list)"
+            f"unknown target {key!r}; {did_you_mean(key, TARGETS)}choose one of: "
+            f"{', '.join(TARGETS)} (hyperfed reproduce --list)"
         )
     return TARGETS[key]
 
@@ -379,9 +381,10 @@ def chosen_methods(target: Target, methods: str | None) -> tuple[str, ...]:
     wanted = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in target.methods]
     if unknown or not wanted:
+        hint = "".join(did_you_mean(m, target.methods) for m in unknown)
         raise ReproduceError(
             f"--methods {methods!r}: {', '.join(unknown) or 'nothing'} not in {target.key}'s "
-            f"methods ({', '.join(target.methods)})"
+            f"methods; {hint}choose from: {', '.join(target.methods)}"
         )
     return tuple(m for m in target.methods if m in wanted)
 
@@ -406,12 +409,15 @@ def tuned_runs(
     parallel: int = 1,
     on_progress: Callable[[int, int, str], None] | None = None,
     tally: SweepResult | None = None,
+    on_failed_trial: Callable[[str, str], None] | None = None,
 ) -> tuple[list[Path], list[tuple[str, str]]]:
     """``--tuned``: every method gets the same budget, ``trials`` trials of ``hyperfed tune`` on
     the validation split (study in ``folder/tune/<method>``, seed 0's federation), then its
     seeds run on test with the best values (``folder/tuned/<method>``). Returns the tuned run
     directories and the failed runs, named ``tuned/<method>/<run>``; ``tally`` (the default
-    sweep's result) also gets the tuned runs' finished, failed and skipped names."""
+    sweep's result) also gets the tuned runs' finished, failed and skipped names.
+    ``on_failed_trial(name, why)``: each study's failed trial (``tune/<method>/trial 3``; the
+    study counts it as ended, as ``hyperfed tune`` does, so it fails no run)."""
     from hyperfed.sweep import run_sweep, sweep_runs
     from hyperfed.tune import TuneRequest, best_sets, tune
 
@@ -427,7 +433,10 @@ def tuned_runs(
             if on_progress is not None:
                 on_progress(i * (trials + 1) + done, len(methods) * (trials + 1), f"{m}: {line}")
 
-        tune(study, request, parallel=parallel, on_progress=progress)
+        study_result = tune(study, request, parallel=parallel, on_progress=progress)
+        for name, why in study_result["failed"]:
+            if on_failed_trial is not None:
+                on_failed_trial(f"tune/{m}/{name}", why)
         best = best_sets(study)
         result = run_sweep(
             folder / "tuned" / m,
@@ -621,34 +630,74 @@ class PlannedRun:
     runs: int = 1
 
 
-def planned_runs(
-    target: Target,
-    scale: str,
-    configs: Path,
-    folder: Path,
-    methods: tuple[str, ...],
-    seeds: list[int],
-    tuned: bool = False,
-    trials: int = 0,
-) -> list[PlannedRun]:
+@dataclass(frozen=True)
+class ReproduceRequest:
+    """What one ``hyperfed reproduce TARGET`` call runs: the target at ``scale`` (its config
+    below ``configs``), in ``folder``, the ``methods`` of it chosen (``--methods``) x
+    ``seeds``; with ``tuned``, each method's ``trials`` tuning trials and its tuned seeds too."""
+
+    target: Target
+    scale: str
+    configs: Path
+    folder: Path
+    methods: tuple[str, ...]
+    seeds: list[int]
+    tuned: bool = False
+    trials: int = 0
+
+    @classmethod
+    def make(
+        cls,
+        key: str,
+        *,
+        out: Path,
+        seeds: list[int],
+        scale: str = "cpu",
+        methods: str | None = None,
+        configs: Path = Path("configs"),
+        tuned: bool = False,
+        trials: int = 0,
+    ) -> ReproduceRequest:
+        """The request of the command's options, checked before any work: an unknown target,
+        method or scale, a missing config or (``tuned``) a missing Optuna is a one-line
+        :class:`HyperfedError`. Its folder is ``out/<seed>-<table>-<scale>``."""
+        target = get_target(key)
+        chosen = chosen_methods(target, methods)
+        sweep_args(target, scale, configs)  # the scale and the config
+        if tuned:
+            from hyperfed.tune import require_optuna
+
+            require_optuna()  # before the default sweep, not after it
+        folder = target_folder(out, target, scale)
+        return cls(target, scale, configs, folder, chosen, seeds, tuned, trials)
+
+
+def target_folder(out: Path, target: Target, scale: str) -> Path:
+    """Where ``reproduce`` keeps ``target``'s runs at ``scale``: ``out/000-table1-cpu``."""
+    return out / f"{target.key.replace(':', '-')}-{scale}"
+
+
+def planned_runs(request: ReproduceRequest) -> list[PlannedRun]:
     """The runs ``reproduce`` would make, with what the folder already holds: the default
     sweep's methods x seeds; with ``tuned``, each method's study (``trials`` trials) and its
     seeds run with the best values."""
     from hyperfed.config import load_config
     from hyperfed.sweep import expand, parse_axes, run_state
 
-    config, sets = sweep_args(target, scale, configs)
+    r = request
+    config, sets = sweep_args(r.target, r.scale, r.configs)
     out = []
-    for p in expand(parse_axes(sets), seeds):
-        if runs_method(methods)(p):
+    for p in expand(parse_axes(sets), r.seeds):
+        if runs_method(r.methods)(p):
             rounds = load_config(config, list(p.sets)).rounds
-            out.append(PlannedRun(p.name, _method(p.sets), run_state(folder / p.name, rounds)))
-    if tuned:
-        for m in methods:
+            out.append(PlannedRun(p.name, _method(p.sets), run_state(r.folder / p.name, rounds)))
+    if r.tuned:
+        folder, trials = r.folder, r.trials
+        for m in r.methods:
             done = _trials_ended(folder / "tune" / m)
             state = f"{min(done, trials)} of {trials} trials"
             out.append(PlannedRun(f"tune/{m}", m, state, max(0, trials - done)))
-            for seed in seeds:
+            for seed in r.seeds:
                 name = f"tuned/{m}/seed={seed}"
                 state = "done" if (folder / name / "metrics.jsonl").exists() else "new"
                 out.append(PlannedRun(name, m, state))
@@ -716,7 +765,7 @@ def list_estimate(target: Target, out: Path, seeds: int = 3) -> str:
 
     cells = []
     for scale in target.scales():
-        rec = recorded_estimate(out / f"{target.key.replace(':', '-')}-{scale}")
+        rec = recorded_estimate(target_folder(out, target, scale))
         probed = [m for m in target.methods if m in rec]
         if probed:
             total = duration(sum(rec[m] for m in probed) * seeds)
@@ -725,29 +774,25 @@ def list_estimate(target: Target, out: Path, seeds: int = 3) -> str:
     return ", ".join(cells) or "--dry-run probes it"
 
 
-def dry_run_lines(
-    target: Target,
-    scale: str,
-    configs: Path,
-    folder: Path,
-    methods: tuple[str, ...],
-    seeds: list[int],
-    tuned: bool = False,
-    trials: int = 0,
-) -> Iterator[str]:
-    """``reproduce --dry-run``: the runs it would make (and what ``folder`` holds already),
+def dry_run_lines(request: ReproduceRequest) -> Iterator[str]:
+    """``reproduce --dry-run``: the runs it would make (and what its folder holds already),
     then each method's probed seconds a run and the total for the runs left to make, line by
     line as the probes finish. Runs nothing but the probes; records their seconds for
     ``--list`` (:func:`record_estimate`)."""
     from hyperfed.progress import duration
 
-    plan = planned_runs(target, scale, configs, folder, methods, seeds, tuned, trials)
+    q = request
+    plan = planned_runs(q)
     default = [r for r in plan if "/" not in r.name]
     left = [r for r in plan if r.state != "done" and r.runs]
     yield (
-        f"{target.key} ({scale} scale) in {folder}: {len(methods)} methods x {len(seeds)} "
-        f"seeds = {len(default)} runs"
-        + (f", and {trials} tuning trials + {len(seeds)} tuned runs per method" if tuned else "")
+        f"{q.target.key} ({q.scale} scale) in {q.folder}: {len(q.methods)} methods x "
+        f"{len(q.seeds)} seeds = {len(default)} runs"
+        + (
+            f", and {q.trials} tuning trials + {len(q.seeds)} tuned runs per method"
+            if q.tuned
+            else ""
+        )
     )
     for r in plan:
         yield f"  {r.name}: {r.state}"
@@ -757,10 +802,10 @@ def dry_run_lines(
     )
     seconds: dict[str, float] = {}
     total, unknown = 0.0, []
-    for m in methods:
+    for m in q.methods:
         todo = sum(r.runs for r in left if r.method == m)
         try:
-            per, costs = probe_run_seconds(target, scale, configs, m)
+            per, costs = probe_run_seconds(q.target, q.scale, q.configs, m)
         except Exception as e:  # missing data, or a method that cannot run: said, not raised
             unknown.append(m)
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -771,12 +816,85 @@ def dry_run_lines(
         parts = ", ".join(f"{c.what} {duration(c.seconds)}" for c in costs)
         yield f"  {m}: {duration(per)} a run ({parts}) x {todo} to run = {duration(per * todo)}"
     if seconds:
-        record_estimate(folder, seconds)
+        record_estimate(q.folder, seconds)
     runs_left = sum(r.runs for r in left)
-    upper = " at most (a pruned trial stops early)" if tuned else ""
+    upper = " at most (a pruned trial stops early)" if q.tuned else ""
     missing = f"; not counted: {', '.join(unknown)}" if unknown else ""
     yield (
         f"total: about {duration(total)}{upper} for the {runs_left} runs left, one at a time "
         f"on this machine{missing}"
     )
     yield "nothing was run (--dry-run); the same command without --dry-run runs them"
+
+
+# a batch's progress: ``bar(label)`` holds a bar while the batch runs and gives its
+# ``on_progress(ended, total, last line)`` and the sweep's ``on_running`` (hyperfed.cli's)
+OnProgress = Callable[[int, int, str], None]
+OnRunning = Callable[[dict[str, "LiveRun"]], None]
+Bar = Callable[[str], AbstractContextManager[tuple[OnProgress | None, OnRunning | None]]]
+
+
+def _no_bar(label: str) -> AbstractContextManager[tuple[OnProgress | None, OnRunning | None]]:
+    return contextlib.nullcontext((None, None))
+
+
+@dataclass
+class ReproduceOutcome:
+    """What :func:`run_reproduce` did: the comparison it wrote (``reproduce.md``), the runs
+    finished, failed and skipped (the default sweep's and the tuned ones), and the tuning
+    trials that failed (``tune/<method>/trial 3``; counted by their study, failing no run)."""
+
+    text: str
+    runs: SweepResult
+    failed_trials: list[tuple[str, str]]
+
+
+def run_reproduce(
+    request: ReproduceRequest, parallel: int = 1, bar: Bar = _no_bar
+) -> ReproduceOutcome:
+    """Run (or resume) the request's sweep (with ``tuned``, each method's study and tuned
+    seeds too), ``parallel`` runs at a time, then write ``reproduce.md`` (ours beside the
+    paper) and the runs' report in its folder (``report-tuned`` for the tuned runs)."""
+    from hyperfed.report import run_algorithm, run_summary, write_report
+    from hyperfed.sweep import run_sweep, sweep_runs
+
+    r, t, folder = request, request.target, request.folder
+    config, sets = sweep_args(t, r.scale, r.configs)
+    with bar(t.key) as (on_progress, on_running):
+        result = run_sweep(
+            folder,
+            config=config,
+            sets=sets,
+            seeds=r.seeds,
+            parallel=parallel,
+            on_progress=on_progress,
+            only=runs_method(r.methods),
+            on_running=on_running,
+        )
+    # the default sweep's runs (one level down; --tuned's are under tuned/<method>/)
+    runs = [p for p in sweep_runs([folder]) if p.parent == folder and run_algorithm(p) in r.methods]
+    default = compare(t, [run_summary(p) for p in runs], r.methods)
+    failed_trials: list[tuple[str, str]] = []
+    if r.tuned:
+        with bar(f"{t.key} tuned") as (on_tune, _):
+            tuned_dirs, _ = tuned_runs(
+                t,
+                r.scale,
+                r.configs,
+                folder,
+                r.methods,
+                r.seeds,
+                r.trials,
+                parallel,
+                on_tune,
+                result,
+                on_failed_trial=lambda name, why: failed_trials.append((name, why)),
+            )
+        tuned = compare(t, [run_summary(p) for p in tuned_dirs], r.methods)
+        text = markdown(t, default, r.seeds, tuned, r.trials, r.scale)
+        write_report(tuned_dirs, folder / "report-tuned")
+    else:
+        text = markdown(t, default, r.seeds, scale=r.scale)
+    write_report(runs, folder / "report")
+    (folder / "reproduce.md").write_text(text)
+    return ReproduceOutcome(text, result, failed_trials)

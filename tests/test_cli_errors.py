@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cli_helpers import SMALL, assert_one_line_error, invoke, sets
+from typer.testing import CliRunner
 
 from hyperfed.algorithms import registry
 from hyperfed.algorithms.base import hparam_fields
@@ -128,3 +130,64 @@ def test_a_seed_beyond_64_bits(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="seed"):
         load_config(None, [f"seed={2**32}"])
     assert load_config(None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+
+
+# -- issue 58: one error boundary for every command ---------------------------------------
+
+
+def _commands() -> list[tuple[list[str], Any]]:
+    """(the group path, typer's CommandInfo) of every command, ``hyperfed flower``'s too."""
+    from hyperfed.cli import app
+
+    found: list[tuple[list[str], Any]] = [([], c) for c in app.registered_commands]
+    for group in app.registered_groups:
+        assert group.typer_instance is not None and group.name
+        found += [([group.name], c) for c in group.typer_instance.registered_commands]
+    return found
+
+
+def _id(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(["hyperfed", *value])
+    return str(value.name or value.callback.__name__)
+
+
+@pytest.mark.parametrize(("group", "info"), _commands(), ids=_id)
+def test_a_hyperfed_error_in_any_command_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, group: list[str], info: Any
+) -> None:
+    """The command's body stands in with one that raises (no option of its own left): the
+    error comes out as ``error: <message>`` alone on stderr, exit code 2, nothing else."""
+    from typer.main import get_command_name
+
+    from hyperfed.cli import app
+    from hyperfed.errors import HyperfedError
+
+    name = info.name or get_command_name(info.callback.__name__)
+
+    def body() -> None:
+        raise HyperfedError("--set a.b=[red]x[/red]: not allowed here")
+
+    body.__name__ = info.callback.__name__
+    monkeypatch.setattr(info, "callback", body)
+    result = CliRunner().invoke(app, [*group, name])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == "error: --set a.b=[red]x[/red]: not allowed here\n"
+    assert result.stdout == ""
+
+
+def test_an_error_deep_in_a_sweep_is_one_line_after_its_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hyperfed.sweep
+    from hyperfed.sweep import SweepError
+
+    def run_sweep(out: Path, **kw: Any) -> None:
+        kw["on_progress"](0, 4, "")
+        raise SweepError(f"{out}: holds a sweep of another grid")
+
+    monkeypatch.setattr(hyperfed.sweep, "run_sweep", run_sweep)
+    out = tmp_path / "s"
+    result = invoke("sweep", "--out", str(out))
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {out}: holds a sweep of another grid\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -449,3 +450,46 @@ def test_the_run_estimate_probes_rounds_and_counts_evaluations(
     monkeypatch.setattr(Simulation, "heavy_phases", lambda self: [heavy])
     costs = Simulation(cfg).estimate()
     assert asked == [5] and costs[0] == heavy and costs[1].what == "3 evaluations"
+
+
+def test_a_mistyped_method_or_target_gets_a_did_you_mean() -> None:
+    bad = CliRunner().invoke(app, ["reproduce", "003:table1", "--methods", "fedavgg,feddm"])
+    assert bad.exit_code == 2
+    assert "fedavgg not in 003:table1's methods; did you mean fedavg? choose from: " in bad.stderr
+    bad = CliRunner().invoke(app, ["reproduce", "000:tabel1"])
+    assert bad.exit_code == 2
+    assert "unknown target '000:tabel1'; did you mean 000:table1 or " in bad.stderr
+
+
+def test_tuned_prints_a_failed_line_for_each_crashed_trial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trial that crashed counts in its study (as in ``hyperfed tune``) and fails no run,
+    but the console names it: ``failed: tune/<method>/trial <n>: <cause>``."""
+    import hyperfed.report
+    import hyperfed.sweep
+    import hyperfed.tune
+    from hyperfed import reproduce
+    from hyperfed.sweep import SweepResult
+
+    def tune(folder: Path, request: Any, parallel: int = 1, on_progress: Any = None) -> dict:
+        crashed = folder.name == "local"
+        return {"failed": [("trial 1", "RuntimeError: out of memory")] if crashed else []}
+
+    monkeypatch.setattr(hyperfed.sweep, "run_sweep", lambda out, **kw: SweepResult([], [], []))
+    monkeypatch.setattr(hyperfed.tune, "tune", tune)
+    monkeypatch.setattr(hyperfed.tune, "best_sets", lambda study: [])
+    monkeypatch.setattr(hyperfed.tune, "require_optuna", lambda: None)
+    # no plots (write_report makes its folder, as the real one does)
+    monkeypatch.setattr(hyperfed.report, "write_report", lambda runs, out: out.mkdir(parents=True))
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "tiny.toml").write_text(TINY_CONFIG)
+    target = Target("9:d", "toy", "tiny.toml", ("fedavg", "local"), ("local",))
+    monkeypatch.setitem(reproduce.TARGETS, target.key, target)
+    args = ["reproduce", "9:d", "--tuned", "--trials", "2", "--seeds", "0"]
+    result = CliRunner().invoke(
+        app, [*args, "--out", str(tmp_path / "r"), "--configs", str(configs)]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == ["failed: tune/local/trial 1: RuntimeError: out of memory"]
