@@ -362,7 +362,11 @@ def _worker_error(folder: Path, worker: int) -> Path:
 
 
 def _worker(
-    folder: str, request: TuneRequest, space: dict[str, Space], worker: int, cores: int
+    folder: str,
+    request: TuneRequest,
+    space: dict[str, Space],
+    worker: int,
+    cores: int | None = None,
 ) -> None:
     """One process of ``--parallel``: runs trials (:func:`run_trials`) until the study holds
     ``request.trials``, so it ends with exactly that many whatever each trial costs; its
@@ -370,7 +374,8 @@ def _worker(
     one line, to ``.worker-<i>.error`` for the parent to report."""
     import torch
 
-    os.environ[CORES_ENV] = str(cores)
+    if cores is not None:
+        os.environ[CORES_ENV] = str(cores)
     torch.set_num_threads(1)
     try:
         study = open_study(Path(folder), request, worker)
