@@ -201,7 +201,7 @@ def _run_with_progress(sim: Any, run_dir: Any, start: int, quiet: bool) -> None:
         console.print(
             f"[bold]{cfg.algorithm.name}[/] on {cfg.dataset.name}: {cfg.clients.count} clients "
             f"({groups}), {cfg.partition.name} partition, {cfg.rounds} rounds, "
-            f"device {sim.device}, run dir {run_dir.path}"
+            f"{sim.compute_line()}, run dir {run_dir.path}"
         )
     if not quiet:
         print_estimates(sim, start)

@@ -247,6 +247,8 @@ def test_run_prints_the_final_table_when_not_quiet(tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     assert "mean" in result.stdout and "weighted" in result.stdout
     assert str(out.name) in result.stdout
+    # where it computes, once (the suite caps auto at one core: tests/conftest.py)
+    assert result.stdout.count("CPU, 1 process x 1 thread (1 core available)") == 1
 
 
 def test_report_compares_runs(two_runs, tmp_path):

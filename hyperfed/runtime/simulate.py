@@ -298,7 +298,8 @@ class Simulation:
         if self.threads is None:
             return f"device {self.device}"
         procs = f"{self.workers} worker processes" if self.workers > 1 else "1 process"
-        return f"CPU, {procs} x 1 thread ({available_cores()} cores available)"
+        cores = available_cores()
+        return f"CPU, {procs} x 1 thread ({cores} core{'s' * (cores != 1)} available)"
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
