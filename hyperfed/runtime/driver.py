@@ -54,7 +54,7 @@ from hyperfed.config import DefenseConfig
 from hyperfed.engine.local import measured_flops
 from hyperfed.progress import phase
 from hyperfed.runtime.gossip import Gossip
-from hyperfed.runtime.rundir import RunDir
+from hyperfed.runtime.rundir import CheckpointWriteError, RunDir
 
 log = logging.getLogger("hyperfed")
 
@@ -639,31 +639,43 @@ class RoundDriver:
         """Setup (on a fresh start), then rounds ``start_round+1 .. rounds``: evaluate and
         record every ``eval_every`` rounds and after the last, checkpoint (``checkpoint(rnd)``
         gives the state to save) every ``checkpoint_every`` rounds (default: ``eval_every``).
-        Returns the records."""
+        A checkpoint is written in the background while the next rounds run
+        (``RunDir.save_checkpoint_async``); the last one is on disk when this returns, or
+        raises (a write that failed: ``CheckpointWriteError``). Returns the records."""
         every = checkpoint_every or eval_every
         records = []
         self.restart_clock()
         if start_round == 0:  # a resumed run did its setup before its first checkpoint
             self.run_setup()
-        for rnd in range(start_round + 1, rounds + 1):
-            scored = rnd % eval_every == 0 or rnd == rounds
-            result = self.run_round(rnd, score_before_mix=scored)
-            record = None
-            if scored:
-                record = self.record(rnd, result)
-                records.append(record)
-                if run_dir is not None:
-                    run_dir.append_metrics(record)
-                if on_record is not None:
-                    on_record(rnd, record)
-            if (
-                run_dir is not None
-                and checkpoint is not None
-                and (rnd % every == 0 or rnd == rounds)
-            ):
-                run_dir.save_checkpoint(checkpoint(rnd))
-            if on_round is not None:
-                on_round(rnd, result, record)
+        try:
+            for rnd in range(start_round + 1, rounds + 1):
+                scored = rnd % eval_every == 0 or rnd == rounds
+                result = self.run_round(rnd, score_before_mix=scored)
+                record = None
+                if scored:
+                    record = self.record(rnd, result)
+                    records.append(record)
+                    if run_dir is not None:
+                        run_dir.append_metrics(record)
+                    if on_record is not None:
+                        on_record(rnd, record)
+                if (
+                    run_dir is not None
+                    and checkpoint is not None
+                    and (rnd % every == 0 or rnd == rounds)
+                ):
+                    run_dir.save_checkpoint_async(checkpoint(rnd))
+                if on_round is not None:
+                    on_round(rnd, result, record)
+        except BaseException:  # an error, Ctrl-C: the checkpoint in flight is finished first
+            if run_dir is not None:
+                try:
+                    run_dir.wait_checkpoint()
+                except CheckpointWriteError as e:  # the run's own error is the one raised
+                    log.error("%s", e)
+            raise
+        if run_dir is not None:
+            run_dir.wait_checkpoint()
         return records
 
     # -- checkpoints -----------------------------------------------------------------------

@@ -7,11 +7,15 @@ A checkpoint file is a one-line JSON header (format, SHA-256 and size of the pay
 of the ``config.toml`` it belongs to) followed by a ``torch.save`` payload that is loaded with
 ``weights_only=True``: a corrupt, truncated or foreign checkpoint is refused, never unpickled.
 One process at a time owns a run directory (``flock`` on the folder itself; no lock file).
+The round driver writes its checkpoints in the background (:meth:`RunDir.save_checkpoint_async`):
+the state is copied at the checkpoint's moment and one writer thread streams the copy to disk
+while the next rounds run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import hashlib
 import io
@@ -20,6 +24,8 @@ import math
 import os
 import re
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -191,9 +197,59 @@ def atomic_write_bytes(path: Path, write: Any) -> None:
         raise
 
 
+# values a checkpoint holds that nothing can change in place: a snapshot keeps them as they are
+_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def snapshot_state(state: Any) -> Any:
+    """A copy of checkpoint ``state`` that training cannot change (it updates parameters and
+    optimizer moments in place): dicts, lists and tuples rebuilt, every tensor storage copied
+    once into host memory (one copy per storage: tensors that share one, or one tensor named
+    twice, still share their copy, so ``torch.save`` writes what it would have written of the
+    live state). A tensor on an accelerator is copied to the CPU here, not to a second place
+    on the device (``load_checkpoint`` maps everything to the CPU anyway)."""
+    return _snapshot(state, {})
+
+
+def _snapshot(obj: Any, memo: dict[Any, Any]) -> Any:
+    if isinstance(obj, _IMMUTABLE) or type(obj) is torch.Size:
+        return obj
+    key = id(obj)
+    if key in memo:  # the same object twice: pickle writes it once, so does the snapshot
+        return memo[key][1]
+    if isinstance(obj, torch.Tensor):
+        out = _snapshot_tensor(obj, memo)
+    elif type(obj) in (dict, OrderedDict):
+        out = type(obj)((k, _snapshot(v, memo)) for k, v in obj.items())
+    elif type(obj) in (list, tuple):
+        out = type(obj)(_snapshot(v, memo) for v in obj)
+    else:  # anything else a state may hold (a set, a namedtuple): a deep copy of its own
+        out = copy.deepcopy(obj)
+    memo[key] = (obj, out)  # obj kept alive: its id stays its own while the memo lives
+    return out
+
+
+def _snapshot_tensor(t: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
+    plain = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+    if not plain or t.is_quantized or t.is_conj() or t.is_neg() or t.device.type == "meta":
+        return copy.deepcopy(t)  # sparse, quantized, a subclass: torch's own copy
+    storage = t.untyped_storage()
+    key = ("storage", storage.device, storage.data_ptr(), storage.nbytes())
+    if key not in memo:
+        # UntypedStorage.cpu() copies only off the CPU; on it, clone()
+        memo[key] = (storage, storage.clone() if storage.device.type == "cpu" else storage.cpu())
+    out = torch.empty(0, dtype=t.dtype).set_(memo[key][1], t.storage_offset(), t.size(), t.stride())
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    return out.requires_grad_(t.requires_grad)
+
+
 class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        # the background checkpoint write (save_checkpoint_async): at most one at a time
+        self._writer: threading.Thread | None = None
+        self._write_result: tuple[int, BaseException | None] = (0, None)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[RunDir]:
@@ -245,14 +301,54 @@ class RunDir:
         return _sha256(p.read_bytes()) if p.exists() else ""
 
     def save_checkpoint(self, state: dict[str, Any]) -> int:
-        """Write the checkpoint atomically; returns its size in bytes. torch.save streams into
-        the file through a hash, and the header line (padded to a fixed length) is written over
-        its placeholder at the end: the serialized state is never held in memory (a pFedKT
-        HN(large) federation's state is 6.6 GB, and its buffer had doubled the run's peak)."""
-        header: dict[str, Any] = {
-            "format": CHECKPOINT_FORMAT,
-            "config_sha256": self.config_sha256(),
-        }
+        """Write the checkpoint atomically, now (after a background write still in flight);
+        returns its size in bytes. A write failure raises :class:`CheckpointWriteError`."""
+        self.wait_checkpoint()
+        return self._write_checkpoint(state, self.config_sha256())
+
+    def save_checkpoint_async(self, state: dict[str, Any]) -> None:
+        """Write the checkpoint in the background: wait for the previous write (at most one in
+        flight; its failure raises here), copy ``state`` (:func:`snapshot_state`: the caller
+        may change it as soon as this returns) and hand the copy to a writer thread.
+        :meth:`wait_checkpoint` waits for it and raises its failure. The write is as atomic
+        as :meth:`save_checkpoint`'s: a kill at any moment leaves the previous checkpoint or
+        this one. A subclass that writes its own way (overrides ``save_checkpoint``: the
+        Flower server's logs a failure and goes on) is called here, in this thread."""
+        if type(self).save_checkpoint is not RunDir.save_checkpoint:
+            self.save_checkpoint(state)
+            return
+        self.wait_checkpoint()
+        snapshot, config = snapshot_state(state), self.config_sha256()
+
+        def write() -> None:
+            try:
+                self._write_result = (self._write_checkpoint(snapshot, config), None)
+            except BaseException as e:  # handed to the main thread by wait_checkpoint
+                self._write_result = (0, e)
+
+        # not a daemon: an interpreter that exits while it writes waits for it
+        self._writer = threading.Thread(target=write, name="hyperfed-checkpoint")
+        self._writer.start()
+
+    def wait_checkpoint(self) -> int | None:
+        """Wait for the background checkpoint write, if one is in flight, and raise its error
+        (a :class:`CheckpointWriteError`, with the message :meth:`save_checkpoint` gives) in
+        this thread; returns its size in bytes (None: no write was in flight)."""
+        if self._writer is None:
+            return None
+        self._writer.join()
+        self._writer = None
+        (size, error), self._write_result = self._write_result, (0, None)
+        if error is not None:
+            raise error
+        return size
+
+    def _write_checkpoint(self, state: dict[str, Any], config_sha256: str) -> int:
+        """The write itself. torch.save streams into the file through a hash, and the header
+        line (padded to a fixed length) is written over its placeholder at the end: the
+        serialized state is never held in memory (a pFedKT HN(large) federation's state is
+        6.6 GB, and its buffer had doubled the run's peak)."""
+        header: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "config_sha256": config_sha256}
         stream = _HashingWriter()
 
         def write(f: Any) -> None:
