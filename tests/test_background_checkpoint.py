@@ -5,6 +5,7 @@ run (``RunDir.save_checkpoint_async``).
 - the round after a checkpoint runs while the checkpoint is still being written;
 - a write that fails in the background raises ``CheckpointWriteError`` in the main thread, at
   the next checkpoint or at the end of the run, with the message a synchronous write gives;
+- an error or Ctrl-C in a round waits for the write in flight (a failed write is then logged);
 - what is written is the state at the checkpoint's moment, whatever training does to the live
   tensors after it; tensors that share memory still share it in the file;
 - a run killed (SIGKILL) while a checkpoint is written in the background resumes from the
@@ -155,6 +156,68 @@ def test_a_failed_last_checkpoint_is_raised_when_the_run_ends(
     ):
         _driver().run(2, 2, run_dir=run, checkpoint_every=2, checkpoint=lambda rnd: {"round": rnd})
     assert run.load_checkpoint() is None
+
+
+def test_ctrl_c_waits_for_the_checkpoint_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in round 2 while round 1's checkpoint is being written: run() finishes the write
+    before the KeyboardInterrupt leaves it (round 1's checkpoint on disk). Round 1's write is
+    held until someone waits for it, so without that wait it would still be unfinished."""
+    real_write, real_wait = RunDir._write_checkpoint, RunDir.wait_checkpoint
+    release = threading.Event()
+    ended: list[int] = []
+
+    def write(self: RunDir, state: dict[str, Any], config: str) -> int:
+        assert release.wait(BLOCK_S), "nobody waited for the write"
+        size = real_write(self, state, config)
+        ended.append(state["round"])
+        return size
+
+    def wait(self: RunDir) -> int | None:
+        if self._writer is not None:  # a wait for a write in flight (not the one before it)
+            release.set()
+        return real_wait(self)
+
+    def ctrl_c(rnd: int) -> dict[str, Any]:
+        if rnd == 2:
+            raise KeyboardInterrupt
+        return {"round": rnd}
+
+    monkeypatch.setattr(RunDir, "_write_checkpoint", write)
+    monkeypatch.setattr(RunDir, "wait_checkpoint", wait)
+    run = _run_dir(tmp_path)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _driver().run(3, 3, run_dir=run, checkpoint_every=1, checkpoint=ctrl_c)
+        assert ended == [1]
+    finally:
+        release.set()  # a writer left blocked by a broken driver ends
+    monkeypatch.undo()
+    state = run.load_checkpoint()
+    assert state is not None and state["round"] == 1
+
+
+def test_a_failed_write_under_an_error_is_logged_and_the_error_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Round 1's background write fails and round 2 raises its own error: that error leaves
+    run(), the write's one line is logged (not lost)."""
+    _failing_save(monkeypatch, fail_round=1)
+
+    def boom(rnd: int) -> dict[str, Any]:
+        if rnd == 2:
+            raise ValueError("round 2 went wrong")
+        return {"round": rnd}
+
+    run = _run_dir(tmp_path)
+    with (
+        caplog.at_level("ERROR", logger="hyperfed"),
+        pytest.raises(ValueError, match="round 2 went wrong"),
+    ):
+        _driver().run(3, 3, run_dir=run, checkpoint_every=1, checkpoint=boom)
+    assert f"cannot write the checkpoint in {tmp_path} (" in caplog.text
+    assert "file write failed); no checkpoint written yet" in caplog.text
 
 
 def test_what_is_written_is_the_state_at_the_checkpoint(
