@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +38,7 @@ from hyperfed.algorithms import get_algorithm, registry
 from hyperfed.data.sources import ArrayDataset, dataset_names, load_dataset
 from hyperfed.engine.robust import RobustRule
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import field_rules, hparam_sources
 from hyperfed.models.zoo import model_names
 
 DEFAULT_CONFIG = Path(__file__).parent / "defaults" / "default.toml"
@@ -179,6 +182,19 @@ class ClientsConfig(_Section):
         return arch + [self.new_models[i % len(self.new_models)] for i in range(self.new_count)]
 
 
+def _method_schemas(schema: dict[str, Any]) -> None:
+    """``hyperfed schema``: each registered method's hyperparameters as ``algorithm.<method>``
+    (type, choices, bounds, default; the description says where the default comes from)."""
+    props = schema.setdefault("properties", {})
+    for name, alg in sorted(registry().items()):
+        sub = _hparams_adapter(alg.hparams).json_schema()
+        sources = hparam_sources(alg.hparams)
+        for field, prop in sub.get("properties", {}).items():
+            prop["description"] = sources[field]
+        sub.update(title=name, description=alg.summary, additionalProperties=False)
+        props[name] = sub
+
+
 class AlgorithmConfig(BaseModel):
     """``name`` plus the method's hyperparameters (checked against its dataclass).
 
@@ -187,7 +203,7 @@ class AlgorithmConfig(BaseModel):
     ``--set algorithm.name=...``.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_method_schemas)
     name: str = "fedavg"
 
     @property
@@ -386,50 +402,105 @@ class ExperimentConfig(_Section):
 
     def hparams(self) -> Any:
         """The algorithm's hyperparameter dataclass, filled from ``[algorithm]``."""
-        alg = get_algorithm(self.algorithm.name)
-        for section in self.algorithm.sections:
-            if section not in registry():
-                raise ConfigError(
-                    f"algorithm.{section}: not an algorithm name; per-method tables are "
-                    f"named after one of: {', '.join(registry())}"
-                )
-        allowed = {f.name for f in dataclasses.fields(alg.hparams)}
-        for key, value in self.algorithm.params.items():
-            if key not in allowed:
-                close = difflib.get_close_matches(key, allowed, n=3)
-                if isinstance(value, dict):  # a per-method table with a mistyped name?
-                    close += difflib.get_close_matches(key, registry(), n=3)
-                hint = f"did you mean {' or '.join(close)}? " if close else ""
-                raise ConfigError(
-                    f"algorithm.{key}: unknown key for {alg.name}; {hint}allowed: "
-                    f"{', '.join(sorted(allowed)) or '(none)'}"
-                )
-        try:
-            # the dataclass's annotations are the declared types: "abc" for a float is refused
-            hp: Any = TypeAdapter(alg.hparams).validate_python(self.algorithm.params)
-        except ValidationError as e:
-            raise ConfigError(f"algorithm.{_one_line(e)}") from None
-        except (TypeError, ValueError) as e:  # a method's own __post_init__ checks
-            raise ConfigError(f"algorithm: {e}") from None
-        for f in dataclasses.fields(hp):
-            value = getattr(hp, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(
-                    f"algorithm.{f.name}: must be a finite number (not nan or inf; got {value!r})"
-                )
-            # counts, sizes, iterations, epochs: no method gives a negative one a meaning
-            is_int = isinstance(value, int) and not isinstance(value, bool)
-            if is_int and not 0 <= value <= MAX_HPARAM_INT:
-                raise ConfigError(
-                    f"algorithm.{f.name}: allowed: a whole number from 0 to {MAX_HPARAM_INT} "
-                    f"(got {value})"
-                )
-            is_rate = f.name == "lr" or f.name.endswith("_lr")
-            if is_rate and isinstance(value, int | float) and not value > 0:
-                raise ConfigError(
-                    f"algorithm.{f.name}: a learning rate must be > 0 (got {value!r})"
-                )
-        return hp
+        return build_hparams(self.algorithm)
+
+
+@functools.cache
+def _hparams_adapter(cls: type) -> TypeAdapter[Any]:
+    return TypeAdapter(cls)
+
+
+def build_hparams(algorithm: AlgorithmConfig) -> Any:
+    """The method's hyperparameter dataclass from ``[algorithm]``: each value checked against
+    its field's annotation (type, ``Literal`` choices, ``Annotated`` bounds), then the
+    dataclass's ``__post_init__`` (rules across fields); a :class:`ConfigError` naming the
+    key otherwise."""
+    alg = get_algorithm(algorithm.name)
+    for section in algorithm.sections:
+        if section not in registry():
+            raise ConfigError(
+                f"algorithm.{section}: not an algorithm name; per-method tables are "
+                f"named after one of: {', '.join(registry())}"
+            )
+    allowed = {f.name for f in dataclasses.fields(alg.hparams)}
+    for key, value in algorithm.params.items():
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=3)
+            if isinstance(value, dict):  # a per-method table with a mistyped name?
+                close += difflib.get_close_matches(key, registry(), n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ConfigError(
+                f"algorithm.{key}: unknown key for {alg.name}; {hint}allowed: "
+                f"{', '.join(sorted(allowed)) or '(none)'}"
+            )
+    table = (algorithm.model_extra or {}).get(algorithm.name)
+    keys = {k: f"algorithm.{alg.name}.{k}" for k in table} if isinstance(table, dict) else {}
+    hp = validate_hparams(alg.hparams, algorithm.params, keys)
+    for f in dataclasses.fields(hp):
+        value = getattr(hp, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(
+                f"algorithm.{f.name}: must be a finite number (not nan or inf; got {value!r})"
+            )
+        # counts, sizes, iterations, epochs: no method gives a negative one a meaning
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if is_int and not 0 <= value <= MAX_HPARAM_INT:
+            raise ConfigError(
+                f"algorithm.{f.name}: allowed: a whole number from 0 to {MAX_HPARAM_INT} "
+                f"(got {value})"
+            )
+        is_rate = f.name == "lr" or f.name.endswith("_lr")
+        if is_rate and isinstance(value, int | float) and not value > 0:
+            raise ConfigError(f"algorithm.{f.name}: a learning rate must be > 0 (got {value!r})")
+    return hp
+
+
+# pydantic's error types of a value outside a field's Literal or Annotated bounds
+_RULE_ERRORS = (
+    "literal_error",
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+)
+
+
+def validate_hparams(
+    cls: type, values: Mapping[str, Any], keys: Mapping[str, str] | None = None
+) -> Any:
+    """Hyperparameter dataclass ``cls`` from ``values``: each value checked against its field's
+    annotation (type, ``Literal`` choices, ``Annotated`` bounds), then ``cls.__post_init__``
+    (rules across fields). A :class:`ConfigError` of one line otherwise, naming the key as
+    ``keys`` spells it (default ``algorithm.<field>``)."""
+    try:
+        return _hparams_adapter(cls).validate_python(dict(values))
+    except ValidationError as err:
+        e = err.errors()[0]
+        if not e["loc"]:  # a rule across fields (the dataclass's __post_init__)
+            raise ConfigError(f"algorithm: {e['msg'].removeprefix('Value error, ')}") from None
+        field = str(e["loc"][0])
+        key = (keys or {}).get(field, f"algorithm.{field}")
+        rule = field_rules(cls).get(field)
+        got = e.get("input")
+        if isinstance(got, float) and not math.isfinite(got):
+            raise ConfigError(
+                f"{key}: must be a finite number (not nan or inf; got {got!r})"
+            ) from None
+        if (
+            rule is not None
+            and rule.integer
+            and "le" not in rule.bounds
+            and "lt" not in rule.bounds
+        ):
+            # every integer hyperparameter is capped at MAX_HPARAM_INT (build_hparams)
+            rule = dataclasses.replace(rule, bounds={**rule.bounds, "le": MAX_HPARAM_INT})
+        if rule is not None and e["type"] in _RULE_ERRORS:
+            msg = f"allowed: {rule.describe()} (got {e['input']!r})"
+        else:
+            msg = _one_line(err).split(": ", 1)[1]
+        raise ConfigError(f"{key}: {msg}") from None
+    except (TypeError, ValueError) as e:  # raised in a __post_init__ outside pydantic's reach
+        raise ConfigError(f"algorithm: {e}") from None
 
 
 def _section_keys(loc: tuple[Any, ...]) -> list[str]:

@@ -30,6 +30,7 @@ from hyperfed.algorithms.desa import (
     desa_objective,
     mix_anchors,
 )
+from hyperfed.config import validate_hparams
 from hyperfed.engine.local import SGDConfig
 
 CPU = torch.device("cpu")
@@ -105,10 +106,10 @@ def test_defaults_are_the_official_codes_and_bad_values_are_refused():
     hp = DESAParams()
     assert (hp.kd_alpha, hp.kd_reduction, hp.kd_temperature) == (0.9, "mean", 20.0)
     assert (hp.lambda_reg, hp.lambda_kd, hp.tau_reg, hp.ipc) == (1.0, 1.0, 0.07, 50)
-    with pytest.raises(ValueError, match="kd_alpha"):
-        DESAParams(kd_alpha=1.5)
-    with pytest.raises(ValueError, match="kd_reduction"):
-        DESAParams(kd_reduction="sum")
+    with pytest.raises(ValueError, match=r"kd_alpha: allowed: a number >= 0 and <= 1"):
+        validate_hparams(DESAParams, {"kd_alpha": 1.5})
+    with pytest.raises(ValueError, match="kd_reduction: allowed: one of mean, batchmean"):
+        validate_hparams(DESAParams, {"kd_reduction": "sum"})
 
 
 def test_anchors_mix_the_clients_images_class_by_class():

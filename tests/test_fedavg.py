@@ -191,5 +191,7 @@ def test_evaluate_local_scores_each_clients_locally_trained_model() -> None:
 def test_evaluate_rejects_an_unknown_model() -> None:
     import pytest
 
-    with pytest.raises(ValueError, match="evaluate='best'; allowed: global, local"):
-        FedAvgParams(evaluate="best")
+    from hyperfed.config import validate_hparams
+
+    with pytest.raises(ValueError, match=r"evaluate: allowed: one of global, local \(got 'best'\)"):
+        validate_hparams(FedAvgParams, {"evaluate": "best"})

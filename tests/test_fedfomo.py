@@ -28,6 +28,7 @@ from hyperfed.algorithms.fedfomo import (
     FedFomoServer,
     with_validation,
 )
+from hyperfed.config import validate_hparams
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig
 from hyperfed.models.layout import FunctionalModel
@@ -286,10 +287,10 @@ def test_without_a_val_split_a_fixed_share_of_train_is_held_out() -> None:
 
 
 def test_bad_include_own_or_fallback_is_rejected() -> None:
-    with pytest.raises(ValueError, match="include_own must be true or false"):
-        FedFomoParams(include_own="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="fallback must be one of own, start"):
-        FedFomoParams(fallback="anchor")
+    with pytest.raises(ValueError, match="include_own: Input should be a valid boolean"):
+        validate_hparams(FedFomoParams, {"include_own": "yes"})
+    with pytest.raises(ValueError, match="fallback: allowed: one of own, start"):
+        validate_hparams(FedFomoParams, {"fallback": "anchor"})
 
 
 def _server(n: int, **hp: float) -> FedFomoServer:

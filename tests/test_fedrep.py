@@ -20,6 +20,7 @@ from toy import tiny_mlp, toy_federation
 
 from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext, stack_payloads
 from hyperfed.algorithms.fedrep import FedRepClient, FedRepParams, FedRepServer, rep_split
+from hyperfed.config import validate_hparams
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig
 from hyperfed.errors import ConfigError
@@ -101,8 +102,8 @@ def test_a_round_gets_the_runs_epochs() -> None:
     assert hp.phase_epochs(1) == (0.5, 0.5)
     assert FedRepParams(body_epochs=3).phase_epochs(4) == (2, 2)
     assert FedRepParams(head_epochs=10, body_epochs=1).phase_epochs(2) == (10, 1)
-    with pytest.raises(ValueError, match="head_epochs"):
-        FedRepParams(head_epochs=-1)
+    with pytest.raises(ValueError, match="head_epochs: allowed: a whole number from 0"):
+        validate_hparams(FedRepParams, {"head_epochs": -1})
     with pytest.raises(ValueError, match="both be 0"):
         FedRepParams(head_epochs=0, body_epochs=0)
 

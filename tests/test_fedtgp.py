@@ -31,6 +31,7 @@ from hyperfed.algorithms.fedtgp import (
     acl_loss,
     adaptive_margin,
 )
+from hyperfed.config import validate_hparams
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import SGDConfig, evaluate_clients
 
@@ -239,8 +240,8 @@ def test_server_trains_at_the_clients_lr_and_batch_unless_set() -> None:
     assert not torch.allclose(inherited.protos, own_batch.protos)
     with pytest.raises(ValueError, match="no \\[local\\] settings"):
         server_for(server_epochs=1)  # no federation: nothing to inherit
-    with pytest.raises(ValueError, match="server_batch_size must be >= 1"):
-        FedTGPParams(server_batch_size=0)  # 0 is a bad batch, not "unset"
+    with pytest.raises(ValueError, match="server_batch_size: allowed: a whole number from 1"):
+        validate_hparams(FedTGPParams, {"server_batch_size": 0})  # 0 is a bad batch, not "unset"
 
 
 def test_the_federation_hands_its_local_settings_to_the_fedtgp_server() -> None:

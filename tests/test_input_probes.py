@@ -89,7 +89,7 @@ SETTINGS = {
     "participation=inf": ["participation", "finite"],
     "local.momentum=nan": ["local.momentum", "finite"],
     "algorithm.hn_lr=nan": ["algorithm.hn_lr", "finite"],
-    "algorithm.embed_dim=-5": ["algorithm.embed_dim", "0 to 1000000000"],
+    "algorithm.embed_dim=-5": ["algorithm.embed_dim", "1 to 1000000000"],
     "algorithm.embed_dim=1e30": ["algorithm.embed_dim", "too large"],
 }
 

@@ -18,7 +18,7 @@ from hyperfed.algorithms.mh_pfedhn import (
     MHPFedHNServer,
     distillation_loss,
 )
-from hyperfed.config import load_config
+from hyperfed.config import load_config, validate_hparams
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.codec import decode_update, encode_update
 from hyperfed.engine.local import SGDConfig
@@ -802,8 +802,8 @@ def test_gd_default_weighs_the_kl_by_lambda_and_configs_use_papers_lambda():
     assert (hp.kd_weighting, hp.kd_lambda, hp.kd_weights()) == ("kl_weight", 0.1, (0.9, 0.1))
     assert MHPFedHNGDParams(kd_weighting="eq8").kd_weights() == (0.1, 0.9)
     assert hparam_sources(MHPFedHNGDParams)["kd_weighting"].startswith("chosen here: val acc")
-    with pytest.raises(ValueError, match="kd_weighting"):
-        MHPFedHNGDParams(kd_weighting="hinton")
+    with pytest.raises(ValueError, match="kd_weighting: allowed: one of eq8, kl_weight"):
+        validate_hparams(MHPFedHNGDParams, {"kd_weighting": "hinton"})
     paper = {"cifar100": (15.0, 0.01), "tiny_imagenet": (24.0, 0.2), "emnist": (10.0, 0.1)}
     seen = set()
     for path in sorted(Path(__file__).parents[1].glob("configs/seed000/*.toml")):

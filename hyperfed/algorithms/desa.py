@@ -73,10 +73,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge, Lt
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
@@ -99,49 +100,36 @@ from hyperfed.distill.synthesis import DistillConfig
 from hyperfed.engine.local import FlopMeter
 from hyperfed.engine.losses import kd_loss
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Count, NonNeg, NonNegInt, Positive, Unit
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.progress import PhaseCost
 
 ANCHOR_SALT = 53  # seeds of the anchor batches in local training
 # "mean": the KL averaged over batch x classes (the official code's nn.KLDivLoss() default);
 # "batchmean": summed over classes, averaged over the batch (the KL's definition)
-KD_REDUCTIONS = ("mean", "batchmean")
+KDReduction = Literal["mean", "batchmean"]
+KD_REDUCTIONS = get_args(KDReduction)
 
 
 @dataclass
 class DESAParams:
-    ipc: int = chosen(50, "seed 003 §4 runs DESA with IPC 50 (the official code's default)")
-    distill_iters: int = chosen(1000, "seed 003 §4; the official code's inv_iters")
-    distill_lr: float = chosen(1.0, "official code: SGD on the images, lr 1, momentum 0.5")
-    distill_momentum: float = chosen(0.5, "official code")
-    distill_batch_real: int = chosen(64, "MH-pFedHNDD's; the official code draws 256 per class")
+    ipc: Count = chosen(50, "seed 003 §4 runs DESA with IPC 50 (the official code's default)")
+    distill_iters: NonNegInt = chosen(1000, "seed 003 §4; the official code's inv_iters")
+    distill_lr: Positive = chosen(1.0, "official code: SGD on the images, lr 1, momentum 0.5")
+    distill_momentum: Annotated[float, Ge(0), Lt(1)] = chosen(0.5, "official code")
+    distill_batch_real: Count = chosen(64, "MH-pFedHNDD's; the official code draws 256 per class")
     distill_model: str = chosen("convnet", "official code: a random ConvNet per iteration")
-    lambda_reg: float = chosen(1.0, "official code's default lambda_reg")
-    lambda_kd: float = chosen(1.0, "official code's default lambda_kd")
-    tau_reg: float = chosen(0.07, "official code's SupCon temperature")
-    kd_temperature: float = chosen(20.0, "official code's KD temperature")
-    kd_alpha: float = chosen(
+    lambda_reg: NonNeg = chosen(1.0, "official code's default lambda_reg")
+    lambda_kd: NonNeg = chosen(1.0, "official code's default lambda_kd")
+    tau_reg: Positive = chosen(0.07, "official code's SupCon temperature")
+    kd_temperature: Positive = chosen(20.0, "official code's KD temperature")
+    kd_alpha: Unit = chosen(
         0.9, "official code's calculate_kd_loss: distil_weight 0.9 on T^2 KL, 0.1 on CE"
     )
-    kd_reduction: str = chosen(
+    kd_reduction: KDReduction = chosen(
         "mean", "official code: nn.KLDivLoss()'s default 'mean', over batch x classes"
     )
-    anchor_batch: int = chosen(32, "official code: anchor batch = local batch 32")
-
-    def __post_init__(self) -> None:
-        if self.ipc < 1 or self.distill_batch_real < 1 or self.anchor_batch < 1:
-            raise ConfigError("desa: ipc, distill_batch_real and anchor_batch must be >= 1")
-        if self.distill_iters < 0 or min(self.lambda_reg, self.lambda_kd) < 0:
-            raise ConfigError("desa: distill_iters, lambda_reg and lambda_kd must be >= 0")
-        if self.tau_reg <= 0 or self.kd_temperature <= 0:
-            raise ConfigError("desa: tau_reg and kd_temperature must be > 0")
-        if not 0.0 <= self.kd_alpha <= 1.0:
-            raise ConfigError(f"desa: kd_alpha must be in [0, 1], got {self.kd_alpha}")
-        if self.kd_reduction not in KD_REDUCTIONS:
-            raise ConfigError(
-                f"desa: kd_reduction must be one of {', '.join(KD_REDUCTIONS)}, "
-                f"got {self.kd_reduction!r}"
-            )
+    anchor_batch: Count = chosen(32, "official code: anchor batch = local batch 32")
 
     def distill_config(self) -> DistillConfig:
         """Step 1: DM from noise with a fresh random network every iteration."""

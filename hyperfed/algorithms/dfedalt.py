@@ -34,6 +34,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.engine.local import SGDConfig
 from hyperfed.engine.topology import GossipParams
+from hyperfed.hparams import NonNegInt, Positive
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.split import body_head
 
@@ -42,15 +43,10 @@ from hyperfed.models.split import body_head
 class DFedAltParams(GossipParams):
     """Personal / shared local epochs and learning rates (None: the ``[local]`` lr)."""
 
-    epochs_v: int = chosen(1, "seed 004's 4 local epochs (§5.1), split not given")
-    epochs_u: int = chosen(3, "seed 004's 4 local epochs (§5.1), split not given")
-    lr_v: float | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
-    lr_u: float | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.epochs_v < 0 or self.epochs_u < 0:
-            raise ValueError("epochs_v and epochs_u must be >= 0")
+    epochs_v: NonNegInt = chosen(1, "seed 004's 4 local epochs (§5.1), split not given")
+    epochs_u: NonNegInt = chosen(3, "seed 004's 4 local epochs (§5.1), split not given")
+    lr_v: Positive | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
+    lr_u: Positive | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
 
 
 class DFedAltServer(GossipServer):

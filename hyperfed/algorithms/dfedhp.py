@@ -47,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +63,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.dfedalt import DFedAltClient
 from hyperfed.engine.topology import GossipParams
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, NonNegInt, Positive, Space
 from hyperfed.hypernet.filter import FilterHypernet
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.split import BodyHead, body_head
@@ -72,20 +73,20 @@ from hyperfed.models.split import BodyHead, body_head
 class DFedHPParams(GossipParams):
     """Seed 004 §5.1: embedding size 128, kernel multiple 64 (block 64 x 64*3*3 for ResNet-18)."""
 
-    embed_dim: int = paper(128, "seed 004 §5.1")
+    embed_dim: Count = paper(128, "seed 004 §5.1")
     # width of each generated row's code (H in filter.py)
-    hidden: int = chosen(128, "seed 004 gives none; as embed_dim")
+    hidden: Count = chosen(128, "seed 004 gives none; as embed_dim")
     # a block is rows x cols generated entries
-    rows: int = paper(64, "seed 004 §5.1 (kernel multiple 64)")
-    cols: int = paper(576, "seed 004 §5.1 (64 x 3x3 kernels of ResNet-18)")
+    rows: Count = paper(64, "seed 004 §5.1 (kernel multiple 64)")
+    cols: Count = paper(576, "seed 004 §5.1 (64 x 3x3 kernels of ResNet-18)")
     # K_v, K_phi, K_z
-    epochs_v: int = chosen(1, "seed 004 §5.1's 4 local epochs, split not given")
-    epochs_phi: int = chosen(2, "seed 004 §5.1's 4 local epochs, split not given")
-    epochs_z: int = chosen(1, "seed 004 §5.1's 4 local epochs, split not given")
+    epochs_v: NonNegInt = chosen(1, "seed 004 §5.1's 4 local epochs, split not given")
+    epochs_phi: NonNegInt = chosen(2, "seed 004 §5.1's 4 local epochs, split not given")
+    epochs_z: NonNegInt = chosen(1, "seed 004 §5.1's 4 local epochs, split not given")
     # eta_v, eta_phi, eta_z (None: [local] lr)
-    lr_v: float | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
-    lr_phi: float | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
-    lr_z: float | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
+    lr_v: Positive | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
+    lr_phi: Positive | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
+    lr_z: Positive | None = chosen(None, "the [local] lr; seed 004 tuned, values not given")
     # True: phi and z updated together (our option; not the paper's undefined "+HP" rows)
     joint_phi_z: bool = paper(False, "seed 004 Alg. 1 (phi, then z)")
     # "literal": body = h(phi, z) as Eq. 2 writes it, W2 drawn and rescaled so the generated body
@@ -93,24 +94,17 @@ class DFedHPParams(GossipParams):
     # h(phi, z) with W2 = b2 = 0 at start (round 1 = the baselines' initial model). Validation
     # split, digits, 6 MLP clients, 10 rounds, seeds 0-2: literal 0.829 / 0.849 / 0.823, residual
     # 0.656 / 0.698 / 0.676 (docs/results.md's FMNIST runs used residual, set in their configs)
-    generation: str = paper("literal", "seed 004 Eq. 2; chosen over residual on validation")
+    generation: Literal["residual", "literal"] = paper(
+        "literal", "seed 004 Eq. 2; chosen over residual on validation"
+    )
     # "per_device": each client draws its own phi^0, z^0 (Alg. 1 line 3, "initialize each device
     # at random"); "shared": one seeded draw for all (a common start, as DFedAvg's theta^0).
     # Validation split, digits, 6 MLP clients, 10 rounds, seeds 0-2 (val_mean_acc): shared
     # 0.987 / 0.976 / 0.985, per_device 0.612 / 0.830 / 0.490 -- gossip averages the phi of
     # unrelated random hypernetworks, which the literal Eq. 2 start does not survive
-    init: str = chosen("shared", "validation: shared 0.983 vs per_device 0.644 (mean, seeds 0-2)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if min(self.embed_dim, self.hidden, self.rows, self.cols) < 1:
-            raise ValueError("embed_dim, hidden, rows and cols must be >= 1")
-        if min(self.epochs_v, self.epochs_phi, self.epochs_z) < 0:
-            raise ValueError("epochs_v, epochs_phi and epochs_z must be >= 0")
-        if self.generation not in ("residual", "literal"):
-            raise ValueError(f"generation must be residual or literal (got {self.generation!r})")
-        if self.init not in ("per_device", "shared"):
-            raise ValueError(f"init must be per_device or shared (got {self.init!r})")
+    init: Literal["per_device", "shared"] = chosen(
+        "shared", "validation: shared 0.983 vs per_device 0.644 (mean, seeds 0-2)"
+    )
 
 
 def generated_loss(

@@ -55,9 +55,11 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Gt, Le
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
@@ -71,11 +73,15 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.engine.local import FlopMeter, client_seed
 from hyperfed.engine.topology import GossipParams
+from hyperfed.hparams import NonNeg, NonNegInt, Unit
 from hyperfed.models.layout import FunctionalModel
 
-INITS = ("erk", "uniform")
-REGROWS = ("gradient", "random")
-EVALUATES = ("mixed", "trained")
+Init = Literal["erk", "uniform"]
+Regrow = Literal["gradient", "random"]
+Evaluate = Literal["mixed", "trained"]
+INITS = get_args(Init)
+REGROWS = get_args(Regrow)
+EVALUATES = get_args(Evaluate)
 SALT_GRADIENT, SALT_RANDOM = 7, 8  # batch shuffles / random draws of the mask search
 
 
@@ -84,41 +90,24 @@ class DisPFLParams(GossipParams):
     """DisPFL's sparsity and mask search (``[algorithm]`` keys), beyond the gossip graph of
     GossipParams (seed 004's keys and defaults, as dfedavg / dfedalt / dfedhp)."""
 
-    density: float = paper(0.5, "authors' scripts: dense_ratio 0.5 (cifar10/cifar100/tiny.sh)")
-    init: str = paper("erk", "authors' code default: ERK layer densities (not --uniform)")
-    erk_power: float = paper(1.0, "authors' code: erk_power_scale 1")
-    anneal: float = paper(0.5, "authors' scripts: anneal_factor 0.5 (alpha of alpha_t)")
-    anneal_rounds: int = chosen(
+    density: Annotated[float, Gt(0), Le(1)] = paper(
+        0.5, "authors' scripts: dense_ratio 0.5 (cifar10/cifar100/tiny.sh)"
+    )
+    init: Init = paper("erk", "authors' code default: ERK layer densities (not --uniform)")
+    erk_power: NonNeg = paper(1.0, "authors' code: erk_power_scale 1")
+    anneal: Unit = paper(0.5, "authors' scripts: anneal_factor 0.5 (alpha of alpha_t)")
+    anneal_rounds: NonNegInt = chosen(
         0, "0: T of alpha_t is the run's planned rounds (alpha_t -> 0 at the end, as theirs)"
     )
-    regrow: str = paper(
+    regrow: Regrow = paper(
         "gradient", "authors' code default (their CIFAR scripts pass --dis_gradient_check: random)"
     )
-    evaluate: str = chosen(
+    evaluate: Evaluate = chosen(
         "mixed", "as dfedavg / dfedalt here: the post-gossip model; 'trained': after step 1"
     )
-    lr_decay: float = chosen(
+    lr_decay: Annotated[float, Gt(0), Le(1)] = chosen(
         1.0, "authors' code: lr * 0.998^t; seed 004 trains its baselines with one plain SGD"
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 < self.density <= 1:
-            raise ValueError(f"density must be in (0, 1] (got {self.density})")
-        if not 0 <= self.anneal <= 1:
-            raise ValueError(f"anneal must be in [0, 1] (got {self.anneal})")
-        if self.init not in INITS:
-            raise ValueError(f"init must be one of {', '.join(INITS)} (got {self.init!r})")
-        if self.regrow not in REGROWS:
-            raise ValueError(f"regrow must be one of {', '.join(REGROWS)} (got {self.regrow!r})")
-        if self.evaluate not in EVALUATES:
-            raise ValueError(
-                f"evaluate must be one of {', '.join(EVALUATES)} (got {self.evaluate!r})"
-            )
-        if self.anneal_rounds < 0:
-            raise ValueError(f"anneal_rounds must be >= 0 (got {self.anneal_rounds})")
-        if not 0 < self.lr_decay <= 1 or self.erk_power < 0:
-            raise ValueError("lr_decay must be in (0, 1] and erk_power >= 0")
 
 
 # --- the sparse-training mechanics (pure functions on flat vectors) ------------------------------

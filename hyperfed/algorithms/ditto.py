@@ -25,7 +25,7 @@ from torch import Tensor
 
 from hyperfed.algorithms.base import Algorithm, Client, ClientGroup, Payload, chosen
 from hyperfed.algorithms.fedavg import FedAvgServer
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, NonNeg, Space
 from hyperfed.models.layout import FunctionalModel
 
 
@@ -33,14 +33,8 @@ from hyperfed.models.layout import FunctionalModel
 class DittoParams:
     """lam: weight of the proximal term; personal_epochs: None = the [local] epochs."""
 
-    lam: float = chosen(0.1, "one of Ditto's grid values; seed 004 gives none")
-    personal_epochs: int | None = chosen(None, "the [local] epochs; seed 004 gives none")
-
-    def __post_init__(self) -> None:
-        if self.lam < 0:
-            raise ValueError(f"lam must be >= 0 (got {self.lam})")
-        if self.personal_epochs is not None and self.personal_epochs < 1:
-            raise ValueError(f"personal_epochs must be >= 1 (got {self.personal_epochs})")
+    lam: NonNeg = chosen(0.1, "one of Ditto's grid values; seed 004 gives none")
+    personal_epochs: Count | None = chosen(None, "the [local] epochs; seed 004 gives none")
 
 
 def proximal_loss(

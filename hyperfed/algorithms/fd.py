@@ -42,7 +42,7 @@ from hyperfed.engine.losses import (
     class_sums,
     kd_loss,
 )
-from hyperfed.hparams import Space
+from hyperfed.hparams import NonNeg, Positive, Space
 from hyperfed.models.layout import FunctionalModel
 
 KEYS = ("logit_classes", "logits", "logit_counts")
@@ -52,14 +52,8 @@ KEYS = ("logit_classes", "logits", "logit_counts")
 class FDParams:
     """FD's distillation weight and temperature (FD does not state them; 1.0 and 1.0 here)."""
 
-    kd_weight: float = chosen(1.0, "FD states none; CE and KD weighed equally")
-    temperature: float = chosen(1.0, "FD states none; plain softmax")
-
-    def __post_init__(self) -> None:
-        if self.kd_weight < 0:
-            raise ValueError(f"kd_weight must be >= 0, got {self.kd_weight}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+    kd_weight: NonNeg = chosen(1.0, "FD states none; CE and KD weighed equally")
+    temperature: Positive = chosen(1.0, "FD states none; plain softmax")
 
 
 @per_parameter

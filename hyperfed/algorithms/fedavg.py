@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from torch import Tensor
 
@@ -26,22 +26,19 @@ from hyperfed.algorithms.base import Algorithm, Client, ClientGroup, Payload, Se
 from hyperfed.hparams import paper
 from hyperfed.models.layout import FunctionalModel
 
-EVALUATED = ("global", "local")
+Evaluated = Literal["global", "local"]
+EVALUATED = get_args(Evaluated)
 
 
 @dataclass
 class FedAvgParams:
     """FedAvg has no hyperparameters beyond the local SGD settings and which model is scored."""
 
-    evaluate: str = paper(
+    evaluate: Evaluated = paper(
         "global",
         "McMahan et al. §3: the global model is tested; 'local' scores each client's model "
         "after its latest local training (seed 001's PM@Acc)",
     )
-
-    def __post_init__(self) -> None:
-        if self.evaluate not in EVALUATED:
-            raise ValueError(f"evaluate={self.evaluate!r}; allowed: {', '.join(EVALUATED)}")
 
 
 class FedAvgServer(Server):

@@ -46,8 +46,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Annotated
 
 import torch
+from annotated_types import Ge, Lt
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
@@ -72,6 +74,7 @@ from hyperfed.distill.synthesis import (
 )
 from hyperfed.engine.local import FlopMeter, SGDConfig, client_seed
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Count, NonNeg, NonNegInt, Positive
 from hyperfed.progress import PhaseCost
 
 SAMPLE_SALT = 41  # seeds of the models sampled around w_t
@@ -81,26 +84,22 @@ SERVER_SALT = 47  # seeds of the server's batch shuffles
 
 @dataclass
 class FedDMParams:
-    ipc: int = chosen(50, "seed 003 §4 runs FedDM with IPC 50")
-    distill_iters: int = chosen(1000, "seed 003 §4: 1000 local distillation iterations")
-    distill_lr: float = chosen(1.0, "seed 003 §B.2: distillation learning rate 1.0")
-    distill_momentum: float = chosen(0.5, "DM's image optimizer (Zhao & Bilen 2023)")
-    distill_batch_real: int = chosen(64, "MH-pFedHNDD's real samples per class and iteration")
-    radius: float = chosen(5.0, "FedDM samples w within radius rho of w_t; no value verified")
+    ipc: Count = chosen(50, "seed 003 §4 runs FedDM with IPC 50")
+    distill_iters: NonNegInt = chosen(1000, "seed 003 §4: 1000 local distillation iterations")
+    distill_lr: Positive = chosen(1.0, "seed 003 §B.2: distillation learning rate 1.0")
+    distill_momentum: Annotated[float, Ge(0), Lt(1)] = chosen(
+        0.5, "DM's image optimizer (Zhao & Bilen 2023)"
+    )
+    distill_batch_real: Count = chosen(64, "MH-pFedHNDD's real samples per class and iteration")
+    radius: NonNeg = chosen(5.0, "FedDM samples w within radius rho of w_t; no value verified")
     match_logits: bool = chosen(True, "FedDM matches outputs next to embeddings (our reading)")
-    server_epochs: int = chosen(25, "seed 003 §4: 500 server epochs over 20 rounds")
-    server_lr: float = chosen(0.01, "seed 003 §B.2: federated learning rate 0.01")
-    server_momentum: float = chosen(0.9, "hyperfed's local SGD default; not in the papers")
-    server_weight_decay: float = chosen(1e-4, "seed 003 §B.2 weight decay 1e-4")
-    server_batch_size: int = chosen(64, "fedavg_dd's one-shot server training")
-
-    def __post_init__(self) -> None:
-        if self.ipc < 1 or self.distill_batch_real < 1 or self.server_batch_size < 1:
-            raise ConfigError("feddm: ipc, distill_batch_real and server_batch_size must be >= 1")
-        if self.distill_iters < 0 or self.server_epochs < 0:
-            raise ConfigError("feddm: distill_iters and server_epochs must be >= 0")
-        if self.radius < 0:
-            raise ConfigError(f"feddm: radius must be >= 0 (got {self.radius})")
+    server_epochs: NonNegInt = chosen(25, "seed 003 §4: 500 server epochs over 20 rounds")
+    server_lr: Positive = chosen(0.01, "seed 003 §B.2: federated learning rate 0.01")
+    server_momentum: Annotated[float, Ge(0), Lt(1)] = chosen(
+        0.9, "hyperfed's local SGD default; not in the papers"
+    )
+    server_weight_decay: NonNeg = chosen(1e-4, "seed 003 §B.2 weight decay 1e-4")
+    server_batch_size: Count = chosen(64, "fedavg_dd's one-shot server training")
 
     def distill_config(self) -> DistillConfig:
         return DistillConfig(

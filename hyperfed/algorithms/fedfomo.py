@@ -78,8 +78,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
 import torch
+from annotated_types import Gt, Lt
+from pydantic import Strict
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
@@ -93,11 +96,13 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import FlopMeter, client_seed, evaluate_clients
+from hyperfed.hparams import Count, NonNeg, Unit
 from hyperfed.models.layout import FunctionalModel
 
 # what a client keeps when no candidate lowers its validation loss below theta_i^{t-1}'s:
 # its own current model (PFLlib) or theta_i^{t-1}, where its last local training began (authors)
-FALLBACKS = ("own", "start")
+Fallback = Literal["own", "start"]
+FALLBACKS = get_args(Fallback)
 
 
 @dataclass
@@ -112,29 +117,16 @@ class FedFomoParams:
     current model (PFLlib), or "start", the model its last local training began from (the
     authors' code; differs from "own" only with include_own)."""
 
-    num_models: int = chosen(5, "PFLlib's FedFomo default (-M 5); no paper default on disk")
-    epsilon: float = chosen(0.3, "authors' code, CLIENT_WEIGHT.EPSILON")
-    epsilon_decay: float = chosen(0.05, "authors' code, CLIENT_WEIGHT.EPSILON_DECAY")
-    val_holdout: float = chosen(0.2, "authors' code, CLIENT.VAL_SPLIT; only without a val split")
-    include_own: bool = chosen(True, "authors' code and PFLlib; validation: no clear winner")
-    fallback: str = chosen("own", "PFLlib; validation beats the authors' 'start' (docstring)")
-
-    def __post_init__(self) -> None:
-        if self.num_models < 1:
-            raise ValueError(f"num_models must be >= 1 (got {self.num_models})")
-        if not 0.0 <= self.epsilon <= 1.0 or self.epsilon_decay < 0:
-            raise ValueError(
-                f"epsilon must be in [0, 1] and epsilon_decay >= 0 "
-                f"(got {self.epsilon}, {self.epsilon_decay})"
-            )
-        if not 0.0 < self.val_holdout < 1.0:
-            raise ValueError(f"val_holdout must be in (0, 1) (got {self.val_holdout})")
-        if not isinstance(self.include_own, bool):
-            raise ValueError(f"include_own must be true or false (got {self.include_own!r})")
-        if self.fallback not in FALLBACKS:
-            raise ValueError(
-                f"fallback must be one of {', '.join(FALLBACKS)} (got {self.fallback!r})"
-            )
+    num_models: Count = chosen(5, "PFLlib's FedFomo default (-M 5); no paper default on disk")
+    epsilon: Unit = chosen(0.3, "authors' code, CLIENT_WEIGHT.EPSILON")
+    epsilon_decay: NonNeg = chosen(0.05, "authors' code, CLIENT_WEIGHT.EPSILON_DECAY")
+    val_holdout: Annotated[float, Gt(0), Lt(1)] = chosen(
+        0.2, "authors' code, CLIENT.VAL_SPLIT; only without a val split"
+    )
+    include_own: Annotated[bool, Strict()] = chosen(
+        True, "authors' code and PFLlib; validation: no clear winner"
+    )
+    fallback: Fallback = chosen("own", "PFLlib; validation beats the authors' 'start' (docstring)")
 
 
 def with_validation(

@@ -84,6 +84,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +112,7 @@ from hyperfed.engine.representations import (
     uploaded_pairs,
     with_header,
 )
+from hyperfed.hparams import Count, Positive
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.progress import phase
 
@@ -135,7 +137,8 @@ def class_mean_reply(group: ClientGroup, theta: Tensor, buffers: Tensor) -> dict
 
 
 # -- FedGH -----------------------------------------------------------------------------------
-EVAL_HEADERS = ("global", "local")
+EvalHeader = Literal["global", "local"]
+EVAL_HEADERS = get_args(EvalHeader)
 
 
 @dataclass
@@ -143,47 +146,33 @@ class FedGHParams:
     """The server's header training (step 4) and the header a client is evaluated with; local
     training uses the ``[local]`` SGD settings."""
 
-    server_lr: float = chosen(
+    server_lr: Positive = chosen(
         0.01,
         "eta_theta: both codes use 1e-2 (LipingYi/FedGH's SGD lr, HtFLlib's "
         "server_learning_rate); the paper's value could not be read here",
     )
-    server_epochs: int = chosen(
+    server_epochs: Count = chosen(
         SERVER_EPOCHS,
         "passes over the uploaded LARs per round: 1 (LipingYi/FedGH) or 100 (HtFLlib "
         "servergh.py); chosen on a validation split (module docstring)",
     )
-    server_batch_size: int = chosen(
+    server_batch_size: Count = chosen(
         SERVER_BATCH,
         "LARs per server step: 1 (LipingYi/FedGH) or 10 (HtFLlib, its client batch size); "
         "chosen on a validation split (module docstring)",
     )
-    server_clip: float = chosen(
+    server_clip: Positive = chosen(
         50.0,
         "the header step's gradient norm is clipped at this value, as LipingYi/FedGH does "
         "(clip_grad_norm_ 50; HtFLlib does not clip). Below it nothing changes; it keeps one "
         "client whose local training exploded (a finite LAR of norm 1e10, 000:table2 seed 2 "
         "at lr 0.05) from blowing up the header every client receives",
     )
-    eval_header: str = paper(
+    eval_header: EvalHeader = paper(
         "global",
         "Figure 1 step 4: the received global header replaces the local one (as HtFLlib "
         "evaluates); 'local' = the locally trained header, as LipingYi/FedGH evaluates",
     )
-
-    def __post_init__(self) -> None:
-        if self.server_lr <= 0:
-            raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
-        if self.server_epochs < 1:
-            raise ValueError(f"server_epochs must be >= 1, got {self.server_epochs}")
-        if not self.server_clip > 0:
-            raise ValueError(f"server_clip must be > 0, got {self.server_clip}")
-        if self.server_batch_size < 1:
-            raise ValueError(f"server_batch_size must be >= 1, got {self.server_batch_size}")
-        if self.eval_header not in EVAL_HEADERS:
-            raise ValueError(
-                f"eval_header={self.eval_header!r}; allowed: {', '.join(EVAL_HEADERS)}"
-            )
 
 
 class FedGHServer(Server):

@@ -37,6 +37,7 @@ from hyperfed.algorithms.base import Algorithm, paper
 from hyperfed.algorithms.fml import FMLClient, FMLServer
 from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.engine.losses import ModelPair, kd_loss
+from hyperfed.hparams import Positive
 from hyperfed.models.layout import FunctionalModel
 
 
@@ -45,11 +46,7 @@ class FedKDParams:
     """The mentee's architecture (pFedES §6.2) and the distillation temperature (1 in FedKD)."""
 
     shared_model: str = paper("cnn5", "seed 002 §6.2 (CNN-5 as the small model)")
-    temperature: float = paper(1.0, "FedKD Eqs. 1-2 (plain softmax, no temperature)")
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+    temperature: Positive = paper(1.0, "FedKD Eqs. 1-2 (plain softmax, no temperature)")
 
 
 def fedkd_loss(

@@ -41,9 +41,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge, Lt
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
@@ -59,9 +61,11 @@ from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
 from hyperfed.engine.local import LossFn
 from hyperfed.engine.losses import kd_loss
+from hyperfed.hparams import Positive, Unit
 from hyperfed.models.layout import FunctionalModel
 
-TRANSFERS = ("mmd", "kd")
+Transfer = Literal["mmd", "kd"]
+TRANSFERS = get_args(Transfer)
 
 
 @dataclass
@@ -70,23 +74,16 @@ class FedPHPParams:
 
     The defaults come from the authors' code, since the paper was not available here."""
 
-    lam: float = chosen(
+    lam: Unit = chosen(
         0.1,
         "authors' code (FedRepo train_lab.py) searches (KD, 0.05), (MMD, 0.1), (MMD, 0.05); "
         "FLGo's port of it defaults to MMD with 0.1",
     )
-    mu: float = chosen(0.9, "authors' code (FedRepo fedphp.py generate_mu): mu_k capped at 0.9")
-    transfer: str = chosen("mmd", "MMD as the authors' code searches it twice as often as KD")
-    temperature: float = chosen(4.0, "the teacher temperature of the authors' KD loss")
-
-    def __post_init__(self) -> None:
-        if self.transfer not in TRANSFERS:
-            raise ValueError(f"transfer={self.transfer!r}; allowed: {', '.join(TRANSFERS)}")
-        if not 0 <= self.lam <= 1 or not 0 <= self.mu < 1 or self.temperature <= 0:
-            raise ValueError(
-                f"lam={self.lam}, mu={self.mu}, temperature={self.temperature}: "
-                "need 0 <= lam <= 1, 0 <= mu < 1, temperature > 0"
-            )
+    mu: Annotated[float, Ge(0), Lt(1)] = chosen(
+        0.9, "authors' code (FedRepo fedphp.py generate_mu): mu_k capped at 0.9"
+    )
+    transfer: Transfer = chosen("mmd", "MMD as the authors' code searches it twice as often as KD")
+    temperature: Positive = chosen(4.0, "the teacher temperature of the authors' KD loss")
 
 
 def mmd_rbf(a: Tensor, b: Tensor, kernel_mul: float = 2.0, kernel_num: int = 5) -> Tensor:

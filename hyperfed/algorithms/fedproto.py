@@ -47,7 +47,7 @@ from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.engine.local import LossFn, per_parameter
 from hyperfed.engine.losses import check_class_payload, class_means, class_sums, pack_classes
 from hyperfed.errors import ConfigError
-from hyperfed.hparams import Space
+from hyperfed.hparams import NonNeg, Space
 from hyperfed.models.layout import FunctionalModel
 
 KEYS = ("proto_classes", "protos", "proto_counts")
@@ -57,11 +57,7 @@ KEYS = ("proto_classes", "protos", "proto_counts")
 class FedProtoParams:
     """lam: weight of the prototype regularizer (Eq. 7; 1.0 in FedProto's official code)."""
 
-    lam: float = chosen(1.0, "FedProto's official code (ld = 1); not found in the paper")
-
-    def __post_init__(self) -> None:
-        if self.lam < 0:
-            raise ValueError(f"lam must be >= 0, got {self.lam}")
+    lam: NonNeg = chosen(1.0, "FedProto's official code (ld = 1); not found in the paper")
 
 
 @per_parameter

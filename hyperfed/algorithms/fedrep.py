@@ -72,6 +72,7 @@ from hyperfed.algorithms.base import (
     paper,
 )
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Layers, NonNegInt
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.select import split_by_mask
 from hyperfed.models.split import BodyHead, layer_prefixes
@@ -81,27 +82,21 @@ from hyperfed.models.split import BodyHead, layer_prefixes
 class FedRepParams:
     """tau (head epochs), representation epochs, and which layers form the head."""
 
-    head_epochs: int | None = chosen(
+    head_epochs: NonNegInt | None = chosen(
         None,
         "None: the round's [local] epochs E less the representation's (authors' code: "
         "head_eps = local_ep - local_rep_ep), so FedRep trains E epochs like every baseline; "
         "10 with body_epochs = 1 is §5's 10 + 1",
     )
-    body_epochs: int = paper(1, "§5 and the authors' --local_rep_ep 1: one epoch on phi")
-    head_layers: str = chosen(
+    body_epochs: NonNegInt = paper(1, "§5 and the authors' --local_rep_ep 1: one epoch on phi")
+    head_layers: Layers = chosen(
         "classifier",
         "§3 takes h_i linear on the representation; the zoo's last Linear is `classifier`",
     )
 
     def __post_init__(self) -> None:
-        if self.body_epochs < 0:
-            raise ValueError(f"body_epochs must be >= 0 (got {self.body_epochs})")
-        if self.head_epochs is not None and self.head_epochs < 0:
-            raise ValueError(f"head_epochs must be >= 0 or unset (got {self.head_epochs})")
         if self.head_epochs == 0 and self.body_epochs == 0:
             raise ValueError("head_epochs and body_epochs cannot both be 0")
-        if not [p for p in self.head_layers.split(",") if p.strip()]:
-            raise ValueError("head_layers must be 'head' or parameter-name prefixes")
 
     def phase_epochs(self, epochs: float) -> tuple[float, float]:
         """(head epochs, representation epochs) of a round whose budget is ``epochs`` (E):

@@ -62,6 +62,7 @@ from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.representations import header_names
+from hyperfed.hparams import NonNeg
 from hyperfed.models.adapter import ModelPartError
 from hyperfed.models.layout import FunctionalModel
 
@@ -70,13 +71,9 @@ from hyperfed.models.layout import FunctionalModel
 class FedRoDParams:
     """Fed-RoD's hyperparameter: the exponent of the class counts in the BSM loss."""
 
-    gamma: float = chosen(
+    gamma: NonNeg = chosen(
         1.0, "balanced softmax as Ren et al. (2020) define it (log N_c added to the logits)"
     )
-
-    def __post_init__(self) -> None:
-        if self.gamma < 0:
-            raise ValueError(f"gamma={self.gamma}: need gamma >= 0")
 
 
 @dataclass(frozen=True)

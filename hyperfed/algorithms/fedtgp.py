@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +74,12 @@ from hyperfed.engine.representations import (
     representation_join,
     uploaded_pairs,
 )
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, NonNeg, NonNegInt, Positive, Space
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.progress import phase
 
-INFERENCE = ("prototype", "classifier")
+Inference = Literal["prototype", "classifier"]
+INFERENCE = get_args(Inference)
 CODE = "the authors' run_me.sh (TsingZ0/FedTGP)"
 
 
@@ -85,38 +87,20 @@ CODE = "the authors' run_me.sh (TsingZ0/FedTGP)"
 class FedTGPParams:
     """Defaults of the authors' own runs (the paper's hyperparameter text was not readable)."""
 
-    lam: float = chosen(10.0, f"{CODE}: -lam 10 (FedProto's official value)")
-    tau: float = chosen(100.0, f"{CODE}: -mart 100, the margin threshold")
-    server_epochs: int = chosen(100, f"{CODE}: -se 100")
+    lam: NonNeg = chosen(10.0, f"{CODE}: -lam 10 (FedProto's official value)")
+    tau: NonNeg = chosen(100.0, f"{CODE}: -mart 100, the margin threshold")
+    server_epochs: Count = chosen(100, f"{CODE}: -se 100")
     # None = the clients' [local] lr / batch: the authors' servertgp.py trains the generator
     # with args.local_learning_rate and args.batch_size (with run_me.sh's 10 at the server's
     # fixed batch 10, seed 003's batch-64 clients drove the margin up until VGG8 diverged)
-    server_lr: float | None = chosen(None, "None = the [local] lr, as the authors' servertgp.py")
-    server_batch_size: int | None = chosen(
+    server_lr: Positive | None = chosen(None, "None = the [local] lr, as the authors' servertgp.py")
+    server_batch_size: Count | None = chosen(
         None, "None = the [local] batch size, as the authors' servertgp.py"
     )
-    hidden: int = chosen(0, "width of W's hidden layer; 0 = d, as the authors' code")
-    inference: str = chosen(
+    hidden: NonNegInt = chosen(0, "width of W's hidden layer; 0 = d, as the authors' code")
+    inference: Inference = chosen(
         "prototype", "nearest global prototype, as the authors' clienttgp.test_metrics"
     )
-
-    def __post_init__(self) -> None:
-        if self.lam < 0:
-            raise ValueError(f"lam must be >= 0, got {self.lam}")
-        if self.tau < 0:
-            raise ValueError(f"tau must be >= 0, got {self.tau}")
-        if self.server_epochs < 1 or (
-            self.server_batch_size is not None and self.server_batch_size < 1
-        ):
-            raise ValueError("server_epochs and server_batch_size must be >= 1")
-        if self.server_lr is not None and self.server_lr <= 0:
-            raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
-        if self.hidden < 0:
-            raise ValueError(
-                f"hidden must be >= 0 (0: the representation width), got {self.hidden}"
-            )
-        if self.inference not in INFERENCE:
-            raise ValueError(f"inference must be one of {INFERENCE}, got {self.inference!r}")
 
 
 class TrainableGlobalPrototypes(nn.Module):

@@ -42,7 +42,7 @@ from hyperfed.algorithms.base import (
 from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.engine.losses import ModelPair, kd_loss
 from hyperfed.errors import ConfigError
-from hyperfed.hparams import Space
+from hyperfed.hparams import Space, Unit
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ModelInputError, UnknownModelError, build_model
 
@@ -52,16 +52,10 @@ class FMLParams:
     """FML's alpha = beta = 0.5; the shared model as in pFedES §6.2."""
 
     # private model: weight of its own CE (1 - alpha on the KL)
-    alpha: float = chosen(0.5, "FML's official code (Args.py); not found in the paper")
+    alpha: Unit = chosen(0.5, "FML's official code (Args.py); not found in the paper")
     # meme model: weight of its own CE
-    beta: float = chosen(0.5, "FML's official code (Args.py); not found in the paper")
+    beta: Unit = chosen(0.5, "FML's official code (Args.py); not found in the paper")
     shared_model: str = paper("cnn5", "seed 002 §6.2 (CNN-5 as the small model)")
-
-    def __post_init__(self) -> None:
-        for name in ("alpha", "beta"):
-            v = getattr(self, name)
-            if not 0 <= v <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {v}")
 
 
 def build_shared(name: str, ctx: ServerContext | ClientContext) -> FunctionalModel:

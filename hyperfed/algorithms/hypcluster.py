@@ -43,6 +43,7 @@ from hyperfed.algorithms.base import (
     chosen,
 )
 from hyperfed.engine.local import FlopMeter, evaluate_clients
+from hyperfed.hparams import Count
 from hyperfed.models.layout import FunctionalModel, fresh_init
 
 
@@ -50,13 +51,9 @@ from hyperfed.models.layout import FunctionalModel, fresh_init
 class HypClusterParams:
     """clusters: q, the number of cluster models on the server."""
 
-    clusters: int = chosen(
+    clusters: Count = chosen(
         3, "seed 001 gives none; q=2 collapsed to near-FedAvg on test_learning (0.288 vs 0.524)"
     )
-
-    def __post_init__(self) -> None:
-        if self.clusters < 1:
-            raise ValueError(f"clusters must be >= 1 (got {self.clusters})")
 
 
 def cluster_losses(

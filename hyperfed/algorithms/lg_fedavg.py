@@ -39,6 +39,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Layers
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.split import layer_prefixes
 
@@ -48,11 +49,7 @@ class LGFedAvgParams:
     """Which layers are global; local SGD as in pFedES §6.1 (all methods: SGD, eta = 0.01)."""
 
     # "head" = the model's head_prefixes, or "classifier", "fc,..."
-    global_layers: str = chosen("head", "LG-FedAvg's code keeps its CNNs' last fc layers global")
-
-    def __post_init__(self) -> None:
-        if not [p for p in self.global_layers.split(",") if p.strip()]:
-            raise ValueError("global_layers must be 'head' or a list of parameter-name prefixes")
+    global_layers: Layers = chosen("head", "LG-FedAvg's code keeps its CNNs' last fc layers global")
 
 
 def global_mask(fm: FunctionalModel, global_layers: str) -> Tensor:

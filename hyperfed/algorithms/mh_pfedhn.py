@@ -122,10 +122,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Annotated, Literal, get_args
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge, Gt, Le, Lt
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
@@ -146,14 +148,17 @@ from hyperfed.engine.losses import kd_loss
 from hyperfed.engine.optim import adam
 from hyperfed.engine.robust import RobustRule, robust_average
 from hyperfed.errors import ConfigError
-from hyperfed.hparams import Space
-from hyperfed.hypernet.multihead import HEAD_MODES, MultiHeadHypernet
+from hyperfed.hparams import Count, NonNegInt, Positive, Space, Unit
+from hyperfed.hypernet.multihead import MultiHeadHypernet
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.select import select_names
 from hyperfed.models.zoo import build_model
 
 GLOBAL = -1  # the global model's slot in the hypernetwork
-HN_UPDATES = ("mean", "sequential", "alg1")
+HNUpdate = Literal["mean", "sequential", "alg1"]
+HN_UPDATES = get_args(HNUpdate)
+# the choices of hyperfed.hypernet.multihead.HEAD_MODES (tests/test_hparams_types.py)
+HeadMode = Literal["per_size", "none", "per_client", "per_architecture"]
 # the validation rows behind the readings of the authors' code (issue 53), all from one config
 VAL = "val acc at round 60, configs of results/claims/000-readings-val, seeds 0-2"
 _DEPLOY_SALT = 7919  # seeds the draw of the clients that deploy the global model (Table 15)
@@ -164,18 +169,18 @@ class MHPFedHNParams:
     """Defaults from seed 000 §4.1 and Appendix D."""
 
     # Adam on phi and the embeddings
-    hn_lr: float = paper(2e-4, "seed 000 §4.1")
-    embed_dim: int = paper(64, "seed 000 §4.1, App. D.2")
-    hidden: int = chosen(100, "seed 000 gives no width; pFedHN's 100")
+    hn_lr: Positive = paper(2e-4, "seed 000 §4.1")
+    embed_dim: Count = paper(64, "seed 000 §4.1, App. D.2")
+    hidden: Count = chosen(100, "seed 000 gives no width; pFedHN's 100")
     # extractor depth
-    n_layers: int = paper(3, "seed 000 App. D.3")
+    n_layers: Count = paper(3, "seed 000 App. D.3")
     # N; None = one chunk per client (pFedHN)
-    out_dim: int | None = paper(3072, "seed 000 §4.1, App. D.4")
+    out_dim: Count | None = paper(3072, "seed 000 §4.1, App. D.4")
     # "none" / "per_client": Table 3's head ablations; "per_architecture": Table 10 (red)
-    heads: str = paper("per_size", "seed 000 §3.2 (a head per tau_i)")
+    heads: HeadMode = paper("per_size", "seed 000 §3.2 (a head per tau_i)")
     # "mean": one Adam step a round; "sequential": one per client, every theta_i generated at
     # the round's start; "alg1": client after client, each generated after the previous step
-    hn_update: str = chosen(
+    hn_update: HNUpdate = chosen(
         "mean",
         "val acc at round 60 (harder setting, seeds 0-2): 92.19 vs 91.31 for alg1 (inside "
         "alg1's spread; alg1 fell 3.4 points late at seed 1); results/claims/000-hnupdate-val",
@@ -185,38 +190,42 @@ class MHPFedHNParams:
     # GD: distil the global model into the personalized model
     distill: bool = paper(False, "seed 000 §3.2 (no distillation)")
     # Table 15: the share C of clients that deploy the global model (the others: MH-pFedHN)
-    global_model_fraction: float = paper(1.0, "seed 000 §3.3 (every client; Table 15: 0-1)")
+    global_model_fraction: Unit = paper(1.0, "seed 000 §3.3 (every client; Table 15: 0-1)")
     # Eq. 8's lambda (§4.1: EMNIST 0.1; CIFAR-100 0.01, Tiny-ImageNet 0.2, set in
     # configs/seed000); which term it weighs is kd_weighting's
-    kd_lambda: float = paper(0.1, "seed 000 §4.1 (EMNIST)")
+    kd_lambda: Unit = paper(0.1, "seed 000 §4.1 (EMNIST)")
     # "kl_weight": (1 - kd_lambda) * CE + kd_lambda * KL; "eq8": Eq. 8 as printed,
     # kd_lambda * CE + (1 - kd_lambda) * KL
-    kd_weighting: str = chosen(
+    kd_weighting: Literal["eq8", "kl_weight"] = chosen(
         "kl_weight",
         "val acc 97.38 vs 96.71 (eq8), fmnist_homo.toml 20 clients, and 90.91 vs 88.10 with "
         "4 classes / 3000 images; ahead in all 6 seeds (results/claims/000-*kdw-val)",
     )
-    temperature: float = paper(10.0, "seed 000 §4.1 (EMNIST)")
+    temperature: Positive = paper(10.0, "seed 000 §4.1 (EMNIST)")
     # Hinton's T^2 factor on Eq. 8's KL
     kd_t2: bool = paper(False, "seed 000 Eq. 8 (L_KL has no T^2)")
     # Table 12: 0.3 uploads the top-30% |Delta theta|
-    upload_fraction: float = paper(1.0, "seed 000 §4 (full update; 0.3 only in Table 12)")
+    upload_fraction: Annotated[float, Gt(0), Le(1)] = paper(
+        1.0, "seed 000 §4 (full update; 0.3 only in Table 12)"
+    )
     personal_layers: list[str] = paper([], "seed 000 §4 (all generated; Table 13 ablation)")
     frozen_layers: list[str] = paper([], "seed 000 §4 (all trained; Tables 14-15 ablation)")
     # §4.4: fraction of clients held out, then adapted
-    new_clients: float = paper(0.0, "seed 000 §4.2-4.3 (all clients train; §4.4: 0.2)")
+    new_clients: Annotated[float, Ge(0), Lt(1)] = paper(
+        0.0, "seed 000 §4.2-4.3 (all clients train; §4.4: 0.2)"
+    )
     # final rounds in which only the new clients adapt
-    adapt_rounds: int = chosen(0, "off with new_clients = 0; §4.4 gives no count")
+    adapt_rounds: NonNegInt = chosen(0, "off with new_clients = 0; §4.4 gives no count")
     # §4.4: the new clients' embeddings (and a head only they use) get an Adam of their own
     # at this lr, one step a round; the hypernetwork's own Adam is not used (authors'
     # run_test.py: a fresh Adam on the embeddings, lr 2e-4 over 500 rounds from N(0, 0.002^2))
-    adapt_lr: float = chosen(
+    adapt_lr: Positive = chosen(
         5e-2,
         "new-client val acc after 30 rounds 90.2 vs 88.4 (1e-2), 80.1 (1e-3), 74.6 (2e-4, the "
         "hypernetwork's lr, as before), same trained state per seed 0-2 (docs/claims/000.md C5)",
     )
     # std of the N(0, s^2) initial embeddings (authors' code: norm_var = 0.002)
-    embed_std: float = chosen(
+    embed_std: Positive = chosen(
         1.0, f"torch.randn, as pFedHN's nn.Embedding; {VAL}: 92.19 vs 87.13 at the authors' 0.002"
     )
     # a ReLU after the extractor's last layer (authors' HyperNetworks.py has one)
@@ -224,37 +233,15 @@ class MHPFedHNParams:
         False, f"seed 000 Eq. 3 names none; {VAL}: 92.19 vs 89.83 with the authors' ReLU"
     )
     # clip the hypernetwork's gradient norm before each Adam step (authors' --grad-clip 50)
-    hn_grad_clip: float | None = chosen(
+    hn_grad_clip: Positive | None = chosen(
         None, f"seed 000 names no clipping; {VAL}: the authors' 50 never binds (identical rows)"
     )
 
     def __post_init__(self) -> None:
-        if self.heads not in HEAD_MODES:
-            raise ValueError(f"heads must be one of {', '.join(HEAD_MODES)} (got {self.heads!r})")
-        if self.hn_update not in HN_UPDATES:
-            raise ValueError(
-                f"hn_update must be one of {', '.join(HN_UPDATES)} (got {self.hn_update!r})"
-            )
-        if not 0 < self.upload_fraction <= 1:
-            raise ValueError(f"upload_fraction must be in (0, 1] (got {self.upload_fraction})")
-        if not 0 <= self.kd_lambda <= 1:
-            raise ValueError(f"kd_lambda must be in [0, 1] (got {self.kd_lambda})")
-        if self.kd_weighting not in ("eq8", "kl_weight"):
-            raise ValueError(f"kd_weighting must be eq8 or kl_weight (got {self.kd_weighting!r})")
-        if not 0 <= self.new_clients < 1:
-            raise ValueError(f"new_clients must be in [0, 1) (got {self.new_clients})")
-        if self.adapt_lr <= 0 or self.embed_std <= 0:
-            raise ValueError("adapt_lr and embed_std must be > 0")
-        if self.hn_grad_clip is not None and self.hn_grad_clip <= 0:
-            raise ValueError(f"hn_grad_clip must be > 0 or unset (got {self.hn_grad_clip})")
         if (self.new_clients > 0) != (self.adapt_rounds > 0):
             raise ValueError("new_clients and adapt_rounds must be set together")
         if self.distill and not self.global_model:
             raise ValueError("distill needs a global_model (e.g. 'lenet')")
-        if not 0 <= self.global_model_fraction <= 1:
-            raise ValueError(
-                f"global_model_fraction must be in [0, 1] (got {self.global_model_fraction})"
-            )
         if self.global_model_fraction < 1 and not self.global_model:
             raise ValueError("global_model_fraction < 1 needs a global_model (mh_pfedhngd)")
 

@@ -92,6 +92,7 @@ from hyperfed.algorithms.mh_pfedhn import (
 from hyperfed.data.federated import FederatedData
 from hyperfed.distill.component import distill_model_size
 from hyperfed.engine.local import SGDConfig, plan_batches, train_clients
+from hyperfed.hparams import Count, NonNegInt, Positive
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.progress import phase
 
@@ -120,7 +121,7 @@ class MHPFedHNDistillParams(MHPFedHNParams):
 class PFedHNDistillParams(MHPFedHNDistillParams):
     """Table 5: pFedHN (one chunk of K_i per client)."""
 
-    out_dim: int | None = paper(None, "seed 003 Table 5 (pFedHN: one chunk per client)")
+    out_dim: Count | None = paper(None, "seed 003 Table 5 (pFedHN: one chunk per client)")
 
 
 class MHPFedHNDistillServer(MHPFedHNServer):
@@ -142,8 +143,8 @@ class OneShotFedAvgParams(FedAvgParams):
     ``one_shot_epochs`` of SGD, batch 64, momentum 0.9)."""
 
     one_shot: bool = paper(False, "seed 003 Table 5 (FedAvg + DD trains every round)")
-    one_shot_epochs: int = chosen(50, "Table 9 gives no one-shot schedule")
-    one_shot_lr: float = chosen(0.01, "App. B.2's FedAvg lr; one-shot's not given")
+    one_shot_epochs: NonNegInt = chosen(50, "Table 9 gives no one-shot schedule")
+    one_shot_lr: Positive = chosen(0.01, "App. B.2's FedAvg lr; one-shot's not given")
 
 
 class OneShotFedAvgServer(FedAvgServer):

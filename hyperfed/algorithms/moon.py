@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -65,33 +66,26 @@ from hyperfed.algorithms.base import (
 from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
 from hyperfed.engine.local import LossFn
-from hyperfed.hparams import Space
+from hyperfed.hparams import NonNeg, Positive, Space
 from hyperfed.models.layout import FunctionalModel
 
-EVALUATED = ("local", "global")
+Evaluated = Literal["local", "global"]
+EVALUATED = get_args(Evaluated)
 
 
 @dataclass
 class MoonParams:
     """MOON's hyperparameters (Eq. 3: ``l_sup + mu * l_con``; Eq. 2: temperature ``tau``)."""
 
-    mu: float = paper(
+    mu: NonNeg = paper(
         1.0, "§4.1: tuned in {0.1, 1, 5, 10}; 1 for CIFAR-100 and Tiny-ImageNet, 5 for CIFAR-10"
     )
-    temperature: float = paper(0.5, "§4.1")
-    evaluate: str = paper(
+    temperature: Positive = paper(0.5, "§4.1")
+    evaluate: Evaluated = paper(
         "global",
         "§4 / official code: the global model is tested; 'local' scores each client's "
         "locally trained model (one reading of seed 001's PM@Acc)",
     )
-
-    def __post_init__(self) -> None:
-        if self.evaluate not in EVALUATED:
-            raise ValueError(f"evaluate={self.evaluate!r}; allowed: {', '.join(EVALUATED)}")
-        if self.mu < 0 or self.temperature <= 0:
-            raise ValueError(
-                f"mu={self.mu}, temperature={self.temperature}: need mu >= 0, temperature > 0"
-            )
 
 
 def model_contrastive_loss(z: Tensor, z_glob: Tensor, z_prev: Tensor, tau: float) -> Tensor:

@@ -57,6 +57,7 @@ from hyperfed.algorithms.base import (
     chosen,
 )
 from hyperfed.errors import ConfigError
+from hyperfed.hparams import Layers
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.select import norm_mask, split_by_mask
 from hyperfed.models.split import BodyHead, layer_prefixes
@@ -66,15 +67,11 @@ from hyperfed.models.split import BodyHead, layer_prefixes
 class PartialFedParams:
     """The Fix loading strategy: which layers are initialized locally (not loaded)."""
 
-    local_layers: str = chosen(
+    local_layers: Layers = chosen(
         "norm,classifier",
         "the Fix study's best classification strategy keeps BN and the classifier local; "
         "the per-dataset strategy table could not be checked here",
     )
-
-    def __post_init__(self) -> None:
-        if not self.tokens():
-            raise ValueError("local_layers must list 'norm', 'head' or parameter-name prefixes")
 
     def tokens(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.local_layers.split(",") if t.strip())

@@ -66,9 +66,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge, Lt
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
@@ -85,61 +87,51 @@ from hyperfed.algorithms.base import (
 from hyperfed.engine.local import FlopMeter, client_seed, plan_batches
 from hyperfed.engine.optim import adam
 from hyperfed.errors import ConfigError
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, NonNegInt, Positive, Space
 from hyperfed.hypernet.multihead import MultiHeadHypernet, concat_chunks
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import ClientNet, build_model
 
 CODE = "the authors' PeFLL code / FL-bench's port (the paper's text was not reachable here)"
 AUTHORS = "authors' code (pefllauthors/PeFLL, train.py / models.py)"
-EVAL_DESCRIPTORS = ("fresh", "last_sent")
+EvalDescriptor = Literal["fresh", "last_sent"]
+EVAL_DESCRIPTORS = get_args(EvalDescriptor)
 
 
 @dataclass
 class PeFLLParams:
-    hn_lr: float = chosen(2e-4, f"Adam lr of h and phi, {CODE}")
-    embed_dim: int | None = chosen(None, f"d; None: 1 + N/4 (pFedHN's rule), {CODE}")
-    hidden: int = chosen(100, f"width of h's MLP, {CODE}")
-    n_hidden: int = chosen(
+    hn_lr: Positive = chosen(2e-4, f"Adam lr of h and phi, {CODE}")
+    embed_dim: Count | None = chosen(None, f"d; None: 1 + N/4 (pFedHN's rule), {CODE}")
+    hidden: Count = chosen(100, f"width of h's MLP, {CODE}")
+    n_hidden: NonNegInt = chosen(
         3,
         f"hidden-to-hidden layers of h after its input layer: {AUTHORS}, --hyper-nhid 3, "
         "CNNHyper(n_hidden): Linear(d, hidden) + n_hidden x Linear(hidden, hidden)",
     )
-    clip_norm: float = chosen(50.0, f"gradient norm clip of (h, phi), {CODE}")
+    clip_norm: Positive = chosen(50.0, f"gradient norm clip of (h, phi), {CODE}")
     embed_model: str = chosen("lenet", "zoo model for phi: the authors use a LeNet-style CNN")
-    embed_batch: int = chosen(
+    embed_batch: Count = chosen(
         64,
         f"samples per descriptor (one batch); 32 in the {AUTHORS}, --batch-size, and in "
         "docs/crosscheck.md; 64 kept so that earlier runs mean what they did",
     )
-    new_clients: float = chosen(0.0, "fraction held out for the new-client evaluation")
-    adapt_rounds: int = chosen(0, "final rounds in which only new clients send descriptors")
+    new_clients: Annotated[float, Ge(0), Lt(1)] = chosen(
+        0.0, "fraction held out for the new-client evaluation"
+    )
+    adapt_rounds: NonNegInt = chosen(0, "final rounds in which only new clients send descriptors")
     standardize: bool = chosen(
         True,
         f"{AUTHORS}: h reads (v - m) / s, m and s the mean and std of the entries of the first "
         "descriptor, fixed for the run (cross-check, docs/crosscheck.md: 91.7 with it, 81.9 "
         "without, 81.0 here before); False: h reads v",
     )
-    eval_descriptor: str = chosen(
+    eval_descriptor: EvalDescriptor = chosen(
         "fresh",
         f"{AUTHORS}, evaluate(): the current phi over the client's train split; 'last_sent': "
         "the descriptor of its last participation",
     )
 
     def __post_init__(self) -> None:
-        if self.embed_dim is not None and self.embed_dim < 1:
-            raise ValueError(f"embed_dim must be >= 1 or None (got {self.embed_dim})")
-        if self.n_hidden < 0:
-            raise ValueError(f"n_hidden must be >= 0 (got {self.n_hidden})")
-        if self.eval_descriptor not in EVAL_DESCRIPTORS:
-            raise ValueError(
-                f"eval_descriptor must be one of {', '.join(EVAL_DESCRIPTORS)} "
-                f"(got {self.eval_descriptor!r})"
-            )
-        if self.embed_batch < 1:
-            raise ValueError(f"embed_batch must be >= 1 (got {self.embed_batch})")
-        if not 0 <= self.new_clients < 1:
-            raise ValueError(f"new_clients must be in [0, 1) (got {self.new_clients})")
         if (self.new_clients > 0) != (self.adapt_rounds > 0):
             raise ValueError("new_clients and adapt_rounds must be set together")
 

@@ -49,9 +49,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import partial
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge, Gt, Le
+from pydantic import AfterValidator
 from torch import Tensor, nn
 
 from hyperfed.algorithms.base import (
@@ -67,8 +70,14 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.local_settings import SEED002
 from hyperfed.engine.losses import ModelPair
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, Space
 from hyperfed.models.layout import FunctionalModel
+
+
+def _odd(value: int) -> int:
+    if value % 2 == 0:
+        raise ValueError("must be odd")
+    return value
 
 
 @dataclass
@@ -79,27 +88,19 @@ class PFedESParams:
     config keys that reproduce their settings (issue 54)."""
 
     # Eq. 5: weight of the enhanced-data loss, in (0, 0.5]
-    mu: float = paper(0.1, "seed 002 §10 Fig. 10 (best of the grid)")
+    mu: Annotated[float, Gt(0), Le(0.5)] = paper(0.1, "seed 002 §10 Fig. 10 (best of the grid)")
     # E_fe: epochs of step 2 (training G with F_k frozen)
-    extractor_epochs: int = paper(5, "seed 002 §10 Fig. 10 (best of the grid)")
+    extractor_epochs: Count = paper(5, "seed 002 §10 Fig. 10 (best of the grid)")
     # channels of G's hidden layer (the authors' Generator: 8)
-    extractor_width: int = chosen(16, "Fig. 2 is not in the text; a small extractor")
+    extractor_width: Count = chosen(16, "Fig. 2 is not in the text; a small extractor")
     # odd, so that padding "same" keeps the shape exactly
-    extractor_kernel: int = chosen(3, "Fig. 2 is not in the text; smallest odd kernel")
+    extractor_kernel: Annotated[int, Ge(1), AfterValidator(_odd)] = chosen(
+        3, "Fig. 2 is not in the text; smallest odd kernel"
+    )
     # a ReLU after G's second convolution too (the authors' Generator has one)
     extractor_relu_out: bool = chosen(
         False, "Fig. 2 is not in the text; the authors' Generator has one (issue 54)"
     )
-
-    def __post_init__(self) -> None:
-        if not 0 < self.mu <= 0.5:
-            raise ValueError(f"mu must be in (0, 0.5] (Eq. 5), got {self.mu}")
-        if self.extractor_epochs < 1:
-            raise ValueError(f"extractor_epochs must be >= 1, got {self.extractor_epochs}")
-        if self.extractor_width < 1:
-            raise ValueError(f"extractor_width must be >= 1, got {self.extractor_width}")
-        if self.extractor_kernel < 1 or self.extractor_kernel % 2 == 0:
-            raise ValueError(f"extractor_kernel must be odd, got {self.extractor_kernel}")
 
 
 class Extractor(nn.Module):

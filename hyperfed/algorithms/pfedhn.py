@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from hyperfed.algorithms.base import Algorithm, paper
 from hyperfed.algorithms.local_settings import SEED000
 from hyperfed.algorithms.mh_pfedhn import MHPFedHNClient, MHPFedHNParams, MHPFedHNServer
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, Space
 
 
 @dataclass
 class PFedHNParams(MHPFedHNParams):
     """Same hypernetwork settings as MH-pFedHN (for a like-for-like comparison), one chunk."""
 
-    out_dim: int | None = paper(None, "pFedHN: one output of all K_i parameters")
+    out_dim: Count | None = paper(None, "pFedHN: one output of all K_i parameters")
 
 
 ALGORITHM = Algorithm(

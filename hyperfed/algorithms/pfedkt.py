@@ -75,9 +75,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
 import torch
 import torch.nn.functional as F
+from annotated_types import Ge, Lt
 from torch import Tensor
 
 from hyperfed.algorithms.base import (
@@ -93,16 +95,21 @@ from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
 from hyperfed.engine.local import FlopMeter, LossFn, train_clients
 from hyperfed.engine.optim import SGD, Adam, UpdateRule
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, NonNeg, NonNegInt, Positive, Space
 from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, optimizer_step
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.privacy.dp_sgd import clip_per_sample
 
-DISTANCES = ("kl", "cosine", "l2", "mse")
-LOSSES = ("triplet", "moon", "l2reg")
-HN_TRAINING = ("end_to_end", "first_order")
-KL_REDUCTIONS = ("mean", "sum")
-HN_INITS = ("target", "layer", "linear")
+Distance = Literal["kl", "cosine", "l2", "mse"]
+Loss = Literal["triplet", "moon", "l2reg"]
+HNTraining = Literal["end_to_end", "first_order"]
+KLReduction = Literal["mean", "sum"]
+HNInit = Literal["target", "layer", "linear"]
+DISTANCES = get_args(Distance)
+LOSSES = get_args(Loss)
+HN_TRAINING = get_args(HNTraining)
+KL_REDUCTIONS = get_args(KLReduction)
+HN_INITS = get_args(HNInit)
 # the hypernetwork's start when hn_init is left at None (chosen on validation, PFedKTParams)
 HN_INIT_DEFAULTS = {"end_to_end": "layer", "first_order": "target"}
 # (optimizer, lr) of the local hypernetwork when hn_optimizer / hn_lr are left at None
@@ -170,27 +177,29 @@ class PFedKTParams:
       the paper does not say). See the module docstring.
     """
 
-    mu: float = paper(0.001, "seed 001 Table 3")
-    alpha: float = paper(0.1, "seed 001 Table 3 (CIFAR-10)")
-    hn_training: str = chosen(
+    mu: Annotated[float, Ge(0), Lt(1)] = paper(0.001, "seed 001 Table 3")
+    alpha: NonNeg = paper(0.1, "seed 001 Table 3 (CIFAR-10)")
+    hn_training: HNTraining = chosen(
         "end_to_end",
         "val acc 0.805 vs 0.521 (first_order), configs/seed001/fmnist_val.toml, seeds 0-1; "
         "seeds 0-2 vs Alg. 1 stabilised (first_order, layer start, SGD 5e-3, momentum 0.9, "
         "hn_grad_clip 50): 0.961 vs 0.660",
     )
-    hn_lr: float | None = chosen(
+    hn_lr: Positive | None = chosen(
         None,
         "None = per mode: end_to_end 1e-3 (val acc 0.805 vs 0.694 at the paper's 5e-3 and "
         "0.624 at 1e-4, fmnist_val.toml, seeds 0-1); first_order 1e-4 (5e-3 diverges)",
     )
-    hn_optimizer: str | None = chosen(
+    hn_optimizer: Literal["sgd", "adam", None] = chosen(
         None,
         "None = per mode: adam for end_to_end (issue 21's probe), sgd for first_order (Eq. 10)",
     )
-    hn_momentum: float = paper(0.0, "seed 001 Eq. 10 (a plain gradient step)")
-    hn_steps: int = paper(1, "seed 001 Alg. 1 (one Eq. 10 step a round; first_order only)")
-    hn_grad_clip: float | None = chosen(None, "seed 001 names no clipping (pFedES code: 50)")
-    hn_init: str | None = chosen(
+    hn_momentum: Annotated[float, Ge(0), Lt(1)] = paper(
+        0.0, "seed 001 Eq. 10 (a plain gradient step)"
+    )
+    hn_steps: Count = paper(1, "seed 001 Alg. 1 (one Eq. 10 step a round; first_order only)")
+    hn_grad_clip: Positive | None = chosen(None, "seed 001 names no clipping (pFedES code: 50)")
+    hn_init: Literal[HNInit, None] = chosen(
         None,
         "None = per mode (the paper gives no init): layer for end_to_end (val acc 0.951 vs "
         "0.804 for target, configs/seed001/fmnist_val.toml, seeds 0-1), target for first_order "
@@ -199,48 +208,19 @@ class PFedKTParams:
     hn_same_start: bool = paper(
         False, "seed 001 Alg. 1 (phi_k^0 drawn per client), App. B (hypernetworks unrelated)"
     )
-    chunk: int = paper(400, "seed 001 App. B, Table 2 (0 = one chunk, App. G.1's HN(large))")
-    emb_dim: int = paper(13, "seed 001 Table 3")
-    hidden: int = paper(100, "seed 001 Table 2")
-    n_hidden: int = paper(1, "seed 001 Table 3 (CIFAR-10)")
+    chunk: NonNegInt = paper(400, "seed 001 App. B, Table 2 (0 = one chunk, App. G.1's HN(large))")
+    emb_dim: Count = paper(13, "seed 001 Table 3")
+    hidden: Count = paper(100, "seed 001 Table 2")
+    n_hidden: NonNegInt = paper(1, "seed 001 Table 3 (CIFAR-10)")
     use_hypernet: bool = paper(True, "seed 001 Table 11 case D (pFedKT)")
     use_contrastive: bool = paper(True, "seed 001 Table 11 case D (pFedKT)")
-    distance: str = paper("kl", "seed 001 Table 3")
-    loss: str = paper("triplet", "seed 001 Table 3")
-    tau: float = chosen(0.5, "MOON's default; pFedKT gives none")
-    kl_reduction: str = chosen(
+    distance: Distance = paper("kl", "seed 001 Table 3")
+    loss: Loss = paper("triplet", "seed 001 Table 3")
+    tau: Positive = chosen(0.5, "MOON's default; pFedKT gives none")
+    kl_reduction: KLReduction = chosen(
         "mean",
         "the paper does not say; 'sum' is the same group's pFedES code (reduction='sum')",
     )
-
-    def __post_init__(self) -> None:
-        if self.distance not in DISTANCES:
-            raise ValueError(f"distance={self.distance!r}; allowed: {', '.join(DISTANCES)}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss={self.loss!r}; allowed: {', '.join(LOSSES)}")
-        if self.kl_reduction not in KL_REDUCTIONS:
-            raise ValueError(
-                f"kl_reduction={self.kl_reduction!r}; allowed: {', '.join(KL_REDUCTIONS)}"
-            )
-        if self.hn_init is not None and self.hn_init not in HN_INITS:
-            raise ValueError(f"hn_init={self.hn_init!r}; allowed: {', '.join(HN_INITS)}")
-        if self.hn_training not in HN_TRAINING:
-            raise ValueError(f"hn_training={self.hn_training!r}; allowed: {', '.join(HN_TRAINING)}")
-        if self.hn_optimizer not in (None, "sgd", "adam"):
-            raise ValueError(f"hn_optimizer={self.hn_optimizer!r}; allowed: sgd, adam")
-        if not 0 <= self.mu < 1:
-            raise ValueError(f"mu={self.mu}; allowed: 0 <= mu < 1")
-        if self.alpha < 0 or self.tau <= 0 or (self.hn_lr is not None and self.hn_lr <= 0):
-            raise ValueError("alpha must be >= 0, tau and hn_lr > 0")
-        if self.hn_grad_clip is not None and not self.hn_grad_clip > 0:
-            raise ValueError(f"hn_grad_clip={self.hn_grad_clip}; must be > 0 or unset")
-        if self.hn_steps < 1:
-            raise ValueError(f"hn_steps={self.hn_steps}; need at least 1 (Alg. 1: one)")
-        if self.chunk < 0 or min(self.emb_dim, self.hidden) < 1 or self.n_hidden < 0:
-            raise ValueError(
-                "chunk must be >= 0 (0: one chunk, HN(large)), emb_dim and hidden >= 1, "
-                "n_hidden >= 0"
-            )
 
     def init_kind(self) -> str:
         """``hn_init``, with the per-mode default where it is None (:data:`HN_INIT_DEFAULTS`)."""

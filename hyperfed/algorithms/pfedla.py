@@ -103,6 +103,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -119,13 +120,15 @@ from hyperfed.algorithms.base import (
     chosen,
 )
 from hyperfed.errors import ConfigError
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, Positive, Space
 from hyperfed.models.layout import FunctionalModel, fresh_init
 from hyperfed.models.select import module_layers
 
 REFERENCE = "KarhouTam/pFedLA (FL-bench's pfedla.py agrees)"
-INITS = ("per_client", "shared")
-DIRECTIONS = ("toward", "away")
+Init = Literal["per_client", "shared"]
+Direction = Literal["toward", "away"]
+INITS = get_args(Init)
+DIRECTIONS = get_args(Direction)
 
 
 def client_init(fm: FunctionalModel, seed: int, client: int) -> Tensor:
@@ -140,36 +143,23 @@ def client_init(fm: FunctionalModel, seed: int, client: int) -> Tensor:
 class PFedLAParams:
     """Hypernetwork HN_i settings (one per client)."""
 
-    hn_lr: float = chosen(
+    hn_lr: Positive = chosen(
         5e5,
         "validation splits (module docstring): best of 5e-3 .. 5e5 on 10 and on 50 clients; "
         "5e-3, the reference codes' value, leaves alpha where it starts (pFedLA = FedAvg)",
     )
-    embed_dim: int = chosen(100, f"size of v_i, {REFERENCE}")
-    hidden: int = chosen(100, f"MLP width, {REFERENCE}")
-    n_layers: int = chosen(3, f"Linear+ReLU layers of the MLP, {REFERENCE}")
-    init: str = chosen(
+    embed_dim: Count = chosen(100, f"size of v_i, {REFERENCE}")
+    hidden: Count = chosen(100, f"MLP width, {REFERENCE}")
+    n_layers: Count = chosen(3, f"Linear+ReLU layers of the MLP, {REFERENCE}")
+    init: Init = chosen(
         "shared",
         "validation split (module docstring); 'per_client' is KarhouTam/pFedLA's, and averaging "
         "independent draws of a model without BatchNorm leaves it unable to learn",
     )
-    hn_direction: str = chosen(
+    hn_direction: Direction = chosen(
         "toward",
         "validation split, module docstring ('away': both reference codes' sign)",
     )
-
-    def __post_init__(self) -> None:
-        for key in ("embed_dim", "hidden", "n_layers"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1 (got {getattr(self, key)})")
-        if self.hn_lr <= 0:
-            raise ValueError(f"hn_lr must be > 0 (got {self.hn_lr})")
-        if self.init not in INITS:
-            raise ValueError(f"init must be one of {', '.join(INITS)} (got {self.init!r})")
-        if self.hn_direction not in DIRECTIONS:
-            raise ValueError(
-                f"hn_direction must be one of {', '.join(DIRECTIONS)} (got {self.hn_direction!r})"
-            )
 
 
 class AggregationHypernets(nn.Module):

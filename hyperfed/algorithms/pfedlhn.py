@@ -47,7 +47,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.pfedla import UpdateClient
 from hyperfed.engine.optim import adam
-from hyperfed.hparams import Space
+from hyperfed.hparams import Count, Positive, Space
 from hyperfed.hypernet.multihead import MultiHeadHypernet
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.select import module_layers
@@ -55,17 +55,10 @@ from hyperfed.models.select import module_layers
 
 @dataclass
 class PFedLHNParams:
-    hn_lr: float = chosen(3e-4, "seed 003 App. D, the hypernetwork lr its pFedLHN runs used")
-    embed_dim: int = chosen(64, "MH-pFedHN's (seed 000 §4.1), for a like-for-like baseline")
-    hidden: int = chosen(100, "MH-pFedHN's / pFedHN's extractor width (seed 000 §4.1)")
-    n_layers: int = chosen(3, "MH-pFedHN's extractor depth (seed 000 App. D.3)")
-
-    def __post_init__(self) -> None:
-        for key in ("embed_dim", "hidden", "n_layers"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1 (got {getattr(self, key)})")
-        if self.hn_lr <= 0:
-            raise ValueError(f"hn_lr must be > 0 (got {self.hn_lr})")
+    hn_lr: Positive = chosen(3e-4, "seed 003 App. D, the hypernetwork lr its pFedLHN runs used")
+    embed_dim: Count = chosen(64, "MH-pFedHN's (seed 000 §4.1), for a like-for-like baseline")
+    hidden: Count = chosen(100, "MH-pFedHN's / pFedHN's extractor width (seed 000 §4.1)")
+    n_layers: Count = chosen(3, "MH-pFedHN's extractor depth (seed 000 App. D.3)")
 
 
 class LayerwiseHypernet(nn.Module):
