@@ -45,7 +45,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,6 @@ from hyperfed.algorithms.base import (
     ClientGroup,
     Payload,
     Server,
-    StackedOnRead,
     check_join,
     payload_bytes,
     stack_payloads,
@@ -93,8 +92,8 @@ from hyperfed.deploy.launch import (
     parse_partition_ids,
 )
 from hyperfed.deploy.supernode import FIRST_POLL, POLL_INTERVAL, PollSchedule, shorten_object_pulls
-from hyperfed.engine.local import FlopMeter, evaluate_clients
-from hyperfed.models.layout import FunctionalModel, channels_last
+from hyperfed.models.layout import FunctionalModel
+from hyperfed.runtime.clients import ClientHost
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundResult
 from hyperfed.runtime.federation import Federation
 from hyperfed.runtime.gossip import Gossip
@@ -402,17 +401,15 @@ class ClientRuntime:
     def device(self) -> torch.device:
         return self.federation.device
 
-    def parts(self, cids: Iterable[int]) -> list[tuple[str, list[int]]]:
-        """``cids`` by architecture group, in the simulator's order (groups, then client id)."""
-        wanted = set(cids)
-        out = [(a, [c for c in m if c in wanted]) for a, m in self.federation.groups.items()]
-        return [(a, part) for a, part in out if part]
+    @property
+    def host(self) -> ClientHost:
+        """Its clients' :class:`ClientHost` (grouped as the simulator groups them)."""
+        fed = self.federation
 
-    def group(
-        self, rnd: int, arch: str | None = None, cids: list[int] | None = None
-    ) -> ClientGroup:
-        arch = self.fm.name if arch is None else arch
-        return self.federation.group(self.fms[arch], cids or self.cids, self.data, rnd)
+        def make_group(arch: str, cids: list[int], rnd: int) -> ClientGroup:
+            return fed.group(self.fms[arch], cids, self.data, rnd)
+
+        return ClientHost(self.client, fed.groups, make_group, self.fms, self.data, fed.nhwc)
 
     def initial_states(self, cids: list[int]) -> dict[int, dict[str, Tensor]]:
         """These clients' initial states: the simulator's draws (the architecture groups
@@ -423,10 +420,6 @@ class ClientRuntime:
         others = [a for a in through if a not in self.fms]
         models = fed.models(shape, classes, others) if others else {}
         return fed.initial_states(self.client, {**models, **self.fms}, cids)
-
-    def initial_state(self) -> dict[str, Tensor]:
-        """The initial state of a one-client node, stacked."""
-        return stack_payloads([self.initial_states([self.cid])[self.cid]])
 
     def joins(self) -> dict[int, Payload]:
         fed = self.federation
@@ -528,39 +521,21 @@ class ClientRuntime:
                 if r < kept:
                     f.unlink(missing_ok=True)
 
-    def save_state(
-        self, context: Context, state: dict[str, Tensor], rnd: int, checkpoint: int
-    ) -> None:
-        """Save the stacked state of a one-client node."""
-        self.save_states(context, {self.cid: unstack_payload(state, 1)[0]}, rnd, checkpoint)
-
-    # -- the messages, for any of its clients ----------------------------------------------
+    # -- the messages, for any of its clients (one ClientHost call each) ----------------------
     def fit_many(
         self, rnd: int, msgs: dict[int, Payload], context: Context, checkpoint: int = 0
     ) -> tuple[dict[int, Payload], dict[int, dict[str, float]]]:
         """Local training of these clients, one engine group per architecture (as the
         simulator trains them); replies and metrics by client id. The FLOPs measured here
         (the server cannot see them) are reported once, with the first client's metrics."""
-        states = self.load_states(context, list(msgs), checkpoint)
-        replies: dict[int, Payload] = {}
+        got = self.host.fit(rnd, msgs, NodeStates(self, context, rnd, checkpoint))
         metrics: dict[int, dict[str, float]] = {}
-        new: dict[int, dict[str, Tensor]] = {}
-        with FlopMeter() as meter, channels_last(self.federation.nhwc):
-            for arch, part in self.parts(msgs):
-                reply, state, loss = self.client.fit(
-                    self.group(rnd, arch, part),
-                    stack_payloads([msgs[c] for c in part]),
-                    stack_payloads([states[c] for c in part]),
-                )
-                losses = loss.reshape(-1)
-                for i, c in enumerate(part):
-                    replies[c] = {k: v[i] for k, v in reply.items()}
-                    new[c] = {k: v[i] for k, v in state.items()}
-                    metrics[c] = {"train_loss": float(losses[i])}
-        self.save_states(context, new, rnd, checkpoint)
-        first = min(metrics)
-        metrics[first]["train_flops"] = float(meter.total)
-        return replies, self._lost(metrics)
+        for part, loss in got.losses:
+            losses = loss.reshape(-1)
+            for i, c in enumerate(part):
+                metrics[c] = {"train_loss": float(losses[i])}
+        metrics[min(metrics)]["train_flops"] = float(got.flops)
+        return got.replies, self._lost(metrics)
 
     def fit(
         self, rnd: int, msg: Payload, context: Context, checkpoint: int = 0
@@ -585,77 +560,52 @@ class ClientRuntime:
         """Decentralized: ``mixed_i = sum_j W[i, j] payload_j`` over client ``i``'s relayed
         neighbours' payloads (seed 004, Alg. 1), mixed here on the node, then ``Client.mix``
         for each architecture group."""
-        states = self.load_states(context, list(neighbours), checkpoint)
-        new: dict[int, dict[str, Tensor]] = {}
-        for arch, part in self.parts(neighbours):
-            mixed = [Gossip.mix(weights[c].reshape(1, -1), neighbours[c]) for c in part]
-            stacked = {k: torch.cat([m[k] for m in mixed]) for k in mixed[0]} if mixed[0] else {}
-            state = self.client.mix(
-                self.group(rnd, arch, part), stacked, stack_payloads([states[c] for c in part])
-            )
-            new.update(zip(part, unstack_payload(state, len(part))))
-        self.save_states(context, new, rnd, checkpoint)
-
-    def mix(
-        self, rnd: int, neighbours: Payload, weights: Tensor, context: Context, checkpoint: int
-    ) -> None:
-        self.mix_many(rnd, {self.cid: neighbours}, {self.cid: weights}, context, checkpoint)
+        mixed = {
+            c: unstack_payload(Gossip.mix(weights[c].reshape(1, -1), neighbours[c]), 1)[0]
+            for c in neighbours
+        }
+        self.host.mix(rnd, mixed, NodeStates(self, context, rnd, checkpoint))
 
     def setup_many(
         self, stage: int, msgs: dict[int, Payload], context: Context, checkpoint: int = 0
     ) -> tuple[dict[int, Payload], dict[int, dict[str, float]]]:
-        states = self.load_states(context, list(msgs), checkpoint)
-        replies: dict[int, Payload] = {}
-        stats: dict[int, dict[str, float]] = {}
-        new: dict[int, dict[str, Tensor]] = {}
-        for arch, part in self.parts(msgs):
-            out, state, st = self.client.setup(
-                stage,
-                self.group(0, arch, part),
-                stack_payloads([msgs[c] for c in part]),
-                stack_payloads([states[c] for c in part]),
-            )
-            new.update(zip(part, unstack_payload(state, len(part))))
-            for i, c in enumerate(part):
-                replies[c] = out[i]
-                stats[c] = {k: float(v.reshape(-1)[i]) for k, v in st.items()}
-        self.save_states(context, new, 0, checkpoint)
-        return replies, stats
-
-    def setup(
-        self, stage: int, msg: Payload, context: Context, checkpoint: int = 0
-    ) -> tuple[Payload, dict[str, float]]:
-        replies, stats = self.setup_many(stage, {self.cid: msg}, context, checkpoint)
-        return replies[self.cid], stats[self.cid]
+        got = self.host.setup(stage, msgs, NodeStates(self, context, 0, checkpoint))
+        stats = {
+            c: {k: float(v.reshape(-1)[i]) for k, v in st.items()}
+            for part, st in got.stats
+            for i, c in enumerate(part)
+        }
+        return got.replies, stats
 
     def evaluate_many(
         self, msgs: dict[int, Payload], context: Context, split: str = "test", checkpoint: int = 0
     ) -> dict[int, dict[str, float]]:
         if split not in ("test", "val"):
             raise ValueError(f"evaluate: unknown split {split!r}")
-        states = self.load_states(context, list(msgs), checkpoint)
-        out: dict[int, dict[str, float]] = {}
-        for arch, part in self.parts(msgs):
-            theta, buffers = self.client.eval_model(
-                self.group(-1, arch, part),
-                stack_payloads([msgs[c] for c in part]),
-                StackedOnRead([states[c] for c in part]),  # only what it reads
-            )
-            with channels_last(self.federation.nhwc):
-                net = self.client.eval_network(self.fms[arch])
-                ok, total, loss = evaluate_clients(net, theta, buffers, self.data, part, split)
-            for i, c in enumerate(part):
-                out[c] = {
-                    "correct": float(ok[i]),
-                    "total": float(total[i]),
-                    "loss_sum": float(loss[i]),
-                }
-        return out
+        got = self.host.evaluate(msgs, split, NodeStates(self, context, 0, checkpoint))
+        return {
+            c: {"correct": float(ok[i]), "total": float(total[i]), "loss_sum": float(loss[i])}
+            for part, (ok, total, loss) in got
+            for i, c in enumerate(part)
+        }
 
-    def evaluate(
-        self, msg: Payload, context: Context, split: str = "test", checkpoint: int = 0
-    ) -> dict[str, float]:
-        return self.evaluate_many({self.cid: msg}, context, split, checkpoint)[self.cid]
+
+@dataclass
+class NodeStates:
+    """A node's :class:`~hyperfed.runtime.clients.StateStore` for one message: its clients'
+    states in ``context.state`` (and, for a resumable run, on its disk), written as those of
+    round ``rnd`` with the server's last checkpoint round ``checkpoint``."""
+
+    runtime: ClientRuntime
+    context: Context
+    rnd: int
+    checkpoint: int
+
+    def get(self, cids: list[int]) -> dict[int, dict[str, Tensor]]:
+        return self.runtime.load_states(self.context, cids, self.checkpoint)
+
+    def put(self, states: dict[int, dict[str, Tensor]]) -> None:
+        self.runtime.save_states(self.context, states, self.rnd, self.checkpoint)
 
 
 # The clients this process built, by (run id, what the node config names, num-partitions): a

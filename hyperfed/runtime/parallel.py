@@ -45,8 +45,8 @@ from torch import Tensor
 from hyperfed.algorithms.base import Payload, stack_payloads, unstack_payload
 from hyperfed.data.federated import FederatedData
 from hyperfed.errors import ConfigError, HyperfedError
+from hyperfed.runtime.clients import ClientHost, Fitted, GroupCounts, StateStore
 from hyperfed.runtime.cores import available_cores
-from hyperfed.runtime.driver import Exchange
 
 log = logging.getLogger("hyperfed")
 
@@ -408,14 +408,23 @@ class ParallelFit:
         rnd: int,
         msgs: dict[int, Payload],
         groups: Iterable[tuple[str, list[int]]],
-        states: Callable[[list[int]], dict[str, Tensor]],
-        put: Callable[[list[int], dict[str, Tensor]], None],
-    ) -> Exchange:
+        store: StateStore,
+    ) -> Fitted:
+        """:meth:`ClientHost.fit` with each group cut into chunks, one chunk per task."""
         if self.pool is None or self.pool.closed:
             self.pool = WorkerPool(self.n, self.init, self.args, self.data)
         plan = [(name, part) for name, members in groups for part in chunks(members, self.n)]
+        states = store.get(list(msgs))
         tasks = [
-            ("fit", name, part, rnd, [msgs[c] for c in part], states(part)) for name, part in plan
+            (
+                "fit",
+                name,
+                part,
+                rnd,
+                [msgs[c] for c in part],
+                stack_payloads([states[c] for c in part]),
+            )
+            for name, part in plan
         ]
 
         def describe(t: int) -> str:
@@ -424,16 +433,21 @@ class ParallelFit:
 
         t0 = time.perf_counter()
         results = self.pool.map(tasks, describe)
-        out = Exchange({})
-        losses: dict[str, list[Tensor]] = {}
+        out = Fitted()
+        new: dict[int, dict[str, Tensor]] = {}
+        losses: dict[str, tuple[list[int], list[Tensor]]] = {}
         busy = 0.0
         for (name, part), (reply, state, loss, flops, seconds) in zip(plan, results):
             busy += seconds
-            put(part, state)
+            new.update(zip(part, unstack_payload(state, len(part))))
             out.replies.update(zip(part, unstack_payload(reply, len(part))))
-            losses.setdefault(name, []).append(loss)
+            cids, parts = losses.setdefault(name, ([], []))
+            cids.extend(part)
+            parts.append(loss)
             out.flops += flops
-        out.losses = [torch.cat(parts) for parts in losses.values()]  # one per group, as before
+        store.put(new)
+        # one per group, as the one-process path has them
+        out.losses = [(cids, torch.cat(parts)) for cids, parts in losses.values()]
         self.last = {"wall": time.perf_counter() - t0, "busy": busy, "tasks": len(tasks)}
         return out
 
@@ -442,14 +456,15 @@ class ParallelFit:
         split: str,
         msgs: dict[int, Payload],
         groups: Iterable[tuple[str, list[int]]],
-        states: Callable[[int], dict[str, Tensor]],
-    ) -> list[tuple[list[int], tuple[Tensor, Tensor, Tensor]]]:
-        """Every client's (correct, total, loss sum) on ``split``, chunks evaluated in the
-        workers as :meth:`fit` trains them (the pool must be running: a round came first)."""
+        store: StateStore,
+    ) -> list[tuple[list[int], GroupCounts]]:
+        """:meth:`ClientHost.evaluate`, chunks evaluated in the workers as :meth:`fit` trains
+        them (the pool must be running: a round came first)."""
         assert self.pool is not None and not self.pool.closed
         plan = [(name, part) for name, members in groups for part in chunks(members, self.n)]
+        states = store.get(list(msgs))
         tasks = [
-            ("evaluate", name, part, split, [msgs[c] for c in part], [states(c) for c in part])
+            ("evaluate", name, part, split, [msgs[c] for c in part], [states[c] for c in part])
             for name, part in plan
         ]
 
@@ -470,28 +485,16 @@ class ParallelFit:
             self.pool = None
 
 
-def run_chunk(
-    fit: Callable[..., tuple],
-    evaluate: Callable[..., tuple[Tensor, Tensor, Tensor]],
-    make_group: Callable[[str, list[int], int], Any],
-    nhwc: bool,
-) -> ChunkFn:
-    """A worker's chunk runner. "fit": ``Client.fit`` on a group of ``cids`` built as the
-    main process builds it, with the messages stacked there, FLOPs measured there;
-    "evaluate": ``evaluate(name, cids, msgs, states, split)``, as the main process evaluates."""
-    from hyperfed.engine.local import FlopMeter
-    from hyperfed.models.layout import channels_last
+def run_chunk(host: ClientHost) -> ChunkFn:
+    """A worker's chunk runner: "fit" (:meth:`ClientHost.fit_group`, the group built, the
+    messages stacked and the FLOPs measured there as in the main process) and "evaluate"
+    (:meth:`ClientHost.evaluate_group`) tasks."""
 
     def run(
         kind: str, name: str, cids: list[int], at: Any, msgs: list[Payload], state: Any
     ) -> tuple:
-        with channels_last(nhwc):
-            if kind == "evaluate":
-                return evaluate(name, cids, msgs, state, at)
-            with FlopMeter() as meter:
-                reply, new_state, loss = fit(
-                    make_group(name, cids, at), stack_payloads(msgs), state
-                )
-        return reply, new_state, loss, meter.total
+        if kind == "evaluate":
+            return host.evaluate_group(name, cids, msgs, state, at)
+        return host.fit_group(name, cids, at, msgs, state)
 
     return run

@@ -25,16 +25,16 @@ from hyperfed.algorithms.base import (
     Client,
     ClientGroup,
     Payload,
-    StackedOnRead,
     payload_bytes,
     stack_payloads,
     unstack_payload,
 )
 from hyperfed.config import ConfigError, ExperimentConfig, to_toml
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import FlopMeter, FlopSum, evaluate_clients
+from hyperfed.engine.local import FlopSum
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.progress import PhaseCost, phase
+from hyperfed.runtime.clients import ClientHost, MemoryStore
 from hyperfed.runtime.driver import EvalCounts, Exchange, RoundResult
 from hyperfed.runtime.federation import (
     Federation,
@@ -89,7 +89,8 @@ def train_flops_per_sample(
 class InMemoryTransport:
     """The simulator's transport: every client in this process, their persistent state in a
     store indexed by client id (gathered for the participants, scattered back), trained one
-    architecture group at a time (one vmapped step per group, or client after client)."""
+    architecture group at a time (one vmapped step per group, or client after client) by a
+    :class:`~hyperfed.runtime.clients.ClientHost`."""
 
     name = "simulation"
     parallel: ParallelFit | None = None  # local.workers > 1: fit in worker processes
@@ -105,13 +106,17 @@ class InMemoryTransport:
         models: dict[str, FunctionalModel],
         reference: bool,
     ) -> None:
-        self.client = client
+        self.host = ClientHost(client, groups, make_group, models, data)
         self.store = store
-        self.groups = groups
-        self.make_group = make_group
-        self.data = data
-        self.models = models
         self.reference = reference
+
+    @property
+    def client(self) -> Client:
+        return self.host.client
+
+    @client.setter
+    def client(self, client: Client) -> None:
+        self.host.client = client
 
     def reachable(self) -> set[int] | None:
         return None
@@ -119,17 +124,6 @@ class InMemoryTransport:
     def states(self, cids: list[int]) -> dict[str, Tensor]:
         """The stored state of ``cids``, stacked (a leading client axis)."""
         return stack_payloads([self.store[c] for c in cids])
-
-    def _put(self, cids: list[int], state: dict[str, Tensor]) -> None:
-        for c, s in zip(cids, unstack_payload(state, len(cids))):
-            self.store[c] = s
-
-    def _by_group(self, cids: Iterable[int]) -> list[tuple[str, list[int]]]:
-        wanted = set(cids)
-        parts = [
-            (name, [c for c in members if c in wanted]) for name, members in self.groups.items()
-        ]
-        return [(name, part) for name, part in parts if part]
 
     def fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
         if self.poison is None:
@@ -140,89 +134,45 @@ class InMemoryTransport:
         return out
 
     def _fit(self, rnd: int, msgs: dict[int, Payload]) -> Exchange:
+        store = MemoryStore(self.store)
         if self.parallel is not None:
-            return self.parallel.fit(rnd, msgs, self._by_group(msgs), self.states, self._put)
-        out = Exchange({})
-        with FlopMeter() as meter:
-            for name, part in self._by_group(msgs):
-                reply, state, loss = self.client.fit(
-                    self.make_group(name, part, rnd),
-                    stack_payloads([msgs[c] for c in part]),
-                    self.states(part),
-                )
-                self._put(part, state)
-                out.replies.update(zip(part, unstack_payload(reply, len(part))))
-                out.losses.append(loss)
-        out.flops = meter.total
-        return out
+            got = self.parallel.fit(rnd, msgs, self.host.parts(msgs), store)
+        else:
+            got = self.host.fit(rnd, msgs, store)
+        return Exchange(got.replies, [loss for _, loss in got.losses], got.flops)
 
     def setup(self, stage: int, msgs: dict[int, Payload]) -> Exchange:
-        out = Exchange({})
-        stats: dict[str, list[Tensor]] = {}
         what = "evaluation request" if stage == EVAL_REQUEST else f"setup stage {stage}"
         with phase(f"{what}, clients done", len(msgs)) as tick:
-            for name, part in self._by_group(msgs):
-                replies, state, st = self.client.setup(
-                    stage,
-                    self.make_group(name, part, 0),
-                    stack_payloads([msgs[c] for c in part]),
-                    self.states(part),
-                )
-                self._put(part, state)
-                out.replies.update(zip(part, replies))
-                for k, v in st.items():
-                    stats.setdefault(k, []).append(v.detach().float().reshape(-1).cpu())
-                tick.advance(len(part))
-        out.stats = {k: torch.cat(vs) for k, vs in stats.items()}
-        return out
+            got = self.host.setup(stage, msgs, MemoryStore(self.store), tick.advance)
+        stats: dict[str, list[Tensor]] = {}
+        for _, st in got.stats:
+            for k, v in st.items():
+                stats.setdefault(k, []).append(v.detach().float().reshape(-1).cpu())
+        return Exchange(got.replies, stats={k: torch.cat(vs) for k, vs in stats.items()})
 
     def relay(self, rnd: int, W: Tensor, payloads: dict[int, Payload]) -> None:
         active = list(payloads)
         mixed = Gossip.mix(W, stack_payloads([payloads[c] for c in active]))
-        payloads = dict(zip(active, unstack_payload(mixed, len(active))))
-        for name, part in self._by_group(payloads):
-            mine = stack_payloads([payloads[c] for c in part])
-            self._put(
-                part, self.client.mix(self.make_group(name, part, rnd), mine, self.states(part))
-            )
+        self.host.mix(
+            rnd, dict(zip(active, unstack_payload(mixed, len(active)))), MemoryStore(self.store)
+        )
 
     def evaluate(self, msgs: dict[int, Payload], split: str) -> EvalCounts:
         n = len(self.store)
         counts = EvalCounts(
             torch.full((n,), math.nan), torch.full((n,), math.nan), torch.full((n,), math.nan)
         )
+        store = MemoryStore(self.store)
         if self.parallel is not None and self.parallel.running:  # in the workers
-            results = self.parallel.evaluate(
-                split, msgs, self._by_group(msgs), self.store.__getitem__
-            )
+            results = self.parallel.evaluate(split, msgs, self.host.parts(msgs), store)
         else:
-            results = [
-                (part, self.evaluate_group(name, part, [msgs[c] for c in part], None, split))
-                for name, part in self._by_group(msgs)
-            ]
+            results = self.host.evaluate(msgs, split, store)
         for part, (ok, tot, ls) in results:
             idx = torch.tensor(part)
             counts.correct[idx], counts.total[idx] = ok.cpu().float(), tot.cpu().float()
             counts.loss_sum[idx] = ls.cpu().float()  # a float64 model evaluates too
         return counts
-
-    def evaluate_group(
-        self,
-        name: str,
-        cids: list[int],
-        msgs: list[Payload],
-        states: list[dict[str, Tensor]] | None,
-        split: str,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """(correct, total, loss sum) of clients ``cids`` (architecture ``name``) on
-        ``split``; ``states`` None: the store's (a worker is sent the chunk's states)."""
-        theta, buffers = self.client.eval_model(
-            self.make_group(name, cids, -1),
-            stack_payloads(msgs),
-            StackedOnRead(states or [self.store[c] for c in cids]),  # only what it reads
-        )
-        net = self.client.eval_network(self.models[name])
-        return evaluate_clients(net, theta, buffers, self.data, cids, split)
 
 
 class Simulation:
@@ -473,8 +423,8 @@ class Simulation:
 
 def worker_chunks(cfg: ExperimentConfig, data: FederatedData) -> ChunkFn:
     """A worker process's side of ``local.workers``: the client role, models and groups built
-    by the same :class:`Federation` as the main process's (on the CPU), running ``Client.fit``
-    on chunks."""
+    by the same :class:`Federation` as the main process's (on the CPU), hosted by the same
+    :class:`ClientHost` (its one-group operations, on chunks)."""
     fed = Federation(cfg, torch.device("cpu"))
     models = fed.models(data.input_shape, data.num_classes)
     client = fed.client_role(data.input_shape, data.num_classes)
@@ -483,8 +433,7 @@ def worker_chunks(cfg: ExperimentConfig, data: FederatedData) -> ChunkFn:
     def make_group(name: str, cids: list[int], rnd: int) -> ClientGroup:
         return fed.group(models[name], cids, data, rnd)
 
-    host = InMemoryTransport(client, {}, {}, make_group, data, models, fed.reference)
-    return run_chunk(client.fit, host.evaluate_group, make_group, fed.nhwc)
+    return run_chunk(ClientHost(client, {}, make_group, models, data, fed.nhwc))
 
 
 def open_tensorboard(path: Path | None = None) -> Any:
