@@ -222,3 +222,17 @@ def test_auto_shares_the_machine_by_hyperfed_cores(monkeypatch):
     monkeypatch.setenv("HYPERFED_CORES", "two")
     with pytest.raises(ConfigError, match="HYPERFED_CORES='two'"):
         resolve_workers("auto", torch.device("cpu"), 100)
+
+
+def test_a_role_that_batches_its_clients_keeps_its_groups_whole_in_workers(small_sim):
+    # FedDM distills every client of a group through one sampled model at once: cut into
+    # chunks, its arithmetic (and here one client's accuracy) changed; Client.splits_groups
+    # keeps the group whole, so 2 workers give what one process gives
+    def run(workers: int) -> tuple[Simulation, list[dict]]:
+        sim = small_sim("feddm", "lenet", f"local.workers={workers}")
+        return sim, sim.run()
+
+    one, r1 = run(1)
+    two, r2 = run(2)
+    assert two.transport.parallel is not None
+    _same(one, two, r1, r2)

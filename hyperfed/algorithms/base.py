@@ -489,6 +489,11 @@ class GossipServer(Server):
 class Client:
     """Client role, written for a group of clients with a leading client axis."""
 
+    # each client of a group computes as it would alone (no arithmetic across the group), so
+    # worker processes may cut a group into chunks with bitwise the same results
+    # (``local.workers``); False for a role that batches its clients together
+    splits_groups: bool = True
+
     def __init__(self, hp: Any, ctx: ClientContext) -> None:
         self.hp = hp
         self.ctx = ctx

@@ -185,6 +185,8 @@ def sampled_model(theta: Tensor, radius: float, seed: int, rnd: int, t: int) -> 
 
 
 class FedDMClient(Client):
+    splits_groups = False  # distill_matching batches the group's clients through one model
+
     def fit(
         self, group: ClientGroup, msg: Payload, state: dict[str, Tensor]
     ) -> tuple[Payload, dict[str, Tensor], Tensor]:

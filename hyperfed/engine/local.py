@@ -819,10 +819,13 @@ def evaluate_clients(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-client (correct, total, loss_sum) of each client's model on its own split.
 
-    Batched where it pays: clients holding the same model (FedAvg's global model, a
-    cluster's) are evaluated in one forward over their samples together, on every device;
-    distinct models of one architecture in one vmapped forward when ``vectorize`` (default:
-    on a GPU; on a 2-core CPU a vmapped LeNet evaluation took 1.8x the client loop's time).
+    On a CPU each client is evaluated alone, on its own samples in fixed chunks: its numbers
+    do not depend on which other clients are evaluated with it (a process of ``local.workers``
+    evaluates a chunk of them), since a convolution's result can change bitwise with the batch
+    it is in. On a GPU, batched where it pays: clients holding the same model (FedAvg's global
+    model, a cluster's) in one forward over their samples together; distinct models of one
+    architecture in one vmapped forward when ``vectorize`` (default: on a GPU; on a 2-core CPU
+    a vmapped LeNet evaluation took 1.8x the client loop's time).
     """
     index = {"test": data.test_idx, "val": data.val_idx, "train": data.train_idx}[split]
     dev = theta.device
@@ -833,7 +836,8 @@ def evaluate_clients(
     if vectorize is None:
         vectorize = theta.is_cuda
     singles = []
-    for rows in _same_models(theta, buffers):
+    shared = _same_models(theta, buffers) if dev.type != "cpu" else [[r] for r in range(n)]
+    for rows in shared:
         if len(rows) == 1:
             singles.append(rows[0])
             continue

@@ -397,8 +397,16 @@ class ParallelFit:
     """``InMemoryTransport.fit`` across worker processes: the pool is started on the first
     round and kept until :meth:`close` (or the simulation is garbage collected)."""
 
-    def __init__(self, n: int, init: Callable[..., ChunkFn], args: tuple, data: FederatedData):
+    def __init__(
+        self,
+        n: int,
+        init: Callable[..., ChunkFn],
+        args: tuple,
+        data: FederatedData,
+        split_groups: bool = True,
+    ):
         self.n, self.init, self.args, self.data = n, init, args, data
+        self.split = n if split_groups else 1  # chunks per group in fit (Client.splits_groups)
         self.pool: WorkerPool | None = None
         # the last round: wall seconds of fit, and the seconds workers spent in Client.fit
         self.last: dict[str, float] = {}
@@ -413,7 +421,7 @@ class ParallelFit:
         """:meth:`ClientHost.fit` with each group cut into chunks, one chunk per task."""
         if self.pool is None or self.pool.closed:
             self.pool = WorkerPool(self.n, self.init, self.args, self.data)
-        plan = [(name, part) for name, members in groups for part in chunks(members, self.n)]
+        plan = [(name, part) for name, members in groups for part in chunks(members, self.split)]
         states = store.get(list(msgs))
         tasks = [
             (

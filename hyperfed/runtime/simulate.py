@@ -236,7 +236,8 @@ class Simulation:
         if workers > 1 and registered_here(cfg, cfg.local.workers):
             workers = 1
         if workers > 1:  # runtime/parallel.py; started on the first round
-            self.transport.parallel = ParallelFit(workers, worker_chunks, (cfg,), data)
+            split = self.client.splits_groups
+            self.transport.parallel = ParallelFit(workers, worker_chunks, (cfg,), data, split)
         self.workers = workers
         # one torch thread for every computation on a CPU, in this process as in the workers:
         # the summation order, hence every result, is then that of workers = 1 at any thread
