@@ -3,8 +3,9 @@ attributed to phases by the functions each phase runs.
 
     python benchmarks/round_profile.py --algorithm fedavg --workers 1 --rounds 3
 
-The workload is issue 57's: Fashion-MNIST (6,000 images), 20 LeNet-style clients with 2
-classes each, batch 10, 1 local epoch, every client every round, evaluated every round.
+The workload is issue 57's (``benchmarks/peers.py``'s federation and local SGD): Fashion-MNIST
+(6,000 images), 20 LeNet-style clients with 2 classes each, batch 10, 1 local epoch, lr 0.01,
+every client every round, evaluated every round.
 Phases: the clients' training (split into data batching, forward, backward, optimizer step and
 the rest of the loop), evaluation, the server's work (configure + aggregate + reply checks),
 the metrics record, and -- with workers -- the time the main process waits on them. Times are
@@ -20,18 +21,16 @@ import pstats
 import time
 
 import torch
+from peers import FEDERATION  # this folder's peers.py
 
 WORKLOAD = [
     "device=cpu",
-    "dataset.name=fashion_mnist",
-    "dataset.subsample=6000",
-    "partition.name=quantity",
-    "partition.classes_per_client=2",
-    "clients.count=20",
-    "clients.models=lenet",
+    *FEDERATION,  # benchmarks/peers.py's: the peer benchmark's federation
     "local.epochs=1",
     "local.batch_size=10",
-    "local.lr=0.005",
+    "local.lr=0.01",
+    "local.momentum=0",
+    "local.weight_decay=0",
     "participation=1.0",
     "eval_every=1",
 ]
