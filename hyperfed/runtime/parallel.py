@@ -421,26 +421,10 @@ class ParallelFit:
         """:meth:`ClientHost.fit` with each group cut into chunks, one chunk per task."""
         if self.pool is None or self.pool.closed:
             self.pool = WorkerPool(self.n, self.init, self.args, self.data)
-        plan = [(name, part) for name, members in groups for part in chunks(members, self.split)]
-        states = store.get(list(msgs))
-        tasks = [
-            (
-                "fit",
-                name,
-                part,
-                rnd,
-                [msgs[c] for c in part],
-                stack_payloads([states[c] for c in part]),
-            )
-            for name, part in plan
-        ]
-
-        def describe(t: int) -> str:
-            name, part = plan[t]
-            return f"training clients {part} ({name}) in round {rnd}"
-
         t0 = time.perf_counter()
-        results = self.pool.map(tasks, describe)
+        plan, results = self._map(
+            "fit", rnd, msgs, groups, store, self.split, stack_payloads, f"training in round {rnd}"
+        )
         out = Fitted()
         new: dict[int, dict[str, Tensor]] = {}
         losses: dict[str, tuple[list[int], list[Tensor]]] = {}
@@ -456,7 +440,7 @@ class ParallelFit:
         store.put(new)
         # one per group, as the one-process path has them
         out.losses = [(cids, torch.cat(parts)) for cids, parts in losses.values()]
-        self.last = {"wall": time.perf_counter() - t0, "busy": busy, "tasks": len(tasks)}
+        self.last = {"wall": time.perf_counter() - t0, "busy": busy, "tasks": len(plan)}
         return out
 
     def evaluate(
@@ -469,19 +453,37 @@ class ParallelFit:
         """:meth:`ClientHost.evaluate`, chunks evaluated in the workers as :meth:`fit` trains
         them (the pool must be running: a round came first)."""
         assert self.pool is not None and not self.pool.closed
-        plan = [(name, part) for name, members in groups for part in chunks(members, self.n)]
+        plan, results = self._map(
+            "evaluate", split, msgs, groups, store, self.n, list, f"evaluating on {split}"
+        )
+        return [(part, (ok, tot, ls)) for (_, part), (ok, tot, ls, _) in zip(plan, results)]
+
+    def _map(
+        self,
+        kind: str,
+        at: Any,
+        msgs: dict[int, Payload],
+        groups: Iterable[tuple[str, list[int]]],
+        store: StateStore,
+        pieces: int,
+        pack: Callable[[list[dict[str, Tensor]]], Any],
+        doing: str,
+    ) -> tuple[list[tuple[str, list[int]]], list[Any]]:
+        """Each group cut into ``pieces`` chunks, one ``kind`` task per chunk (its messages,
+        its states packed by ``pack``), run on the pool; the plan and the results in order."""
+        assert self.pool is not None
+        plan = [(name, part) for name, members in groups for part in chunks(members, pieces)]
         states = store.get(list(msgs))
         tasks = [
-            ("evaluate", name, part, split, [msgs[c] for c in part], [states[c] for c in part])
+            (kind, name, part, at, [msgs[c] for c in part], pack([states[c] for c in part]))
             for name, part in plan
         ]
 
         def describe(t: int) -> str:
             name, part = plan[t]
-            return f"evaluating clients {part} ({name}) on {split}"
+            return f"{doing}: clients {part} ({name})"
 
-        results = self.pool.map(tasks, describe)
-        return [(part, (ok, tot, ls)) for (_, part), (ok, tot, ls, _) in zip(plan, results)]
+        return plan, self.pool.map(tasks, describe)
 
     @property
     def running(self) -> bool:
