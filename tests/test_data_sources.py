@@ -186,10 +186,10 @@ def test_fashion_mnist_partial_folder(tmp_path: Path) -> None:
 
 
 def test_fashion_mnist_missing_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import hyperfed.data.sources as sources
+    import hyperfed.data.builtin as builtin
 
     system = tmp_path / "usr-share-datasets-fashion-mnist"
-    monkeypatch.setattr(sources, "FASHION_MNIST_SYSTEM_DIR", str(system))
+    monkeypatch.setattr(builtin, "FASHION_MNIST_SYSTEM_DIR", str(system))
     with pytest.raises(DataError) as err:
         load_dataset("fashion_mnist", tmp_path / "data")
     msg = str(err.value)
