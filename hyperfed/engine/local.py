@@ -601,10 +601,10 @@ def _leaf_sgd_loop(
     a loss marked :func:`per_parameter`, each parameter its own autograd leaf: a view into a
     copy of the client's flat vector, updated in place by torch's fused SGD kernel
     (``torch.optim.SGD(fused=True)``'s: the same step as :meth:`SGD.step_`, in one pass).
-    The flat gradient is never gathered: on a 2-core CPU, a LeNet step on 10 images took
-    2.70-2.76 ms against 2.90-2.96 ms through one flat leaf (issue 27). ``frozen`` parameters
-    are constants: no gradient, no update, no backward pass through them. ``state``: the
-    rule's (``m[1, K]``), None for a fresh one."""
+    ``frozen`` parameters are constants: no gradient, no update, no backward pass through
+    them. ``state``: the rule's (``m[1, K]``), None for a fresh one."""
+    # A step body of its own, not _train_step's: per-parameter leaves never gather the flat
+    # gradient, measured faster per CPU step (docs/performance.md, "Per-parameter leaves").
     flat = theta.detach().clone()
     views = list(fm.layout.unflatten(flat).values())  # updated in place: flat is the result
     frozen = frozen or (False,) * len(views)
@@ -658,9 +658,10 @@ def _local_loop(
     mask: Tensor | None,
     step_ctx: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, State]:
-    """The steps of ``plan``: ``step`` gives each client's gradient, ``rule`` updates theta
-    and its ``state`` (None: a fresh one); a client past its last step keeps its theta,
-    state and BatchNorm statistics. Returns ``(theta, buffers, mean loss, state)``."""
+    """The steps of ``plan``, each one :func:`_train_step`; ``state`` None: a fresh one. A
+    client past its last step keeps its theta, state and BatchNorm statistics (a group whose
+    clients all take every step is updated in place). Returns ``(theta, buffers, mean loss,
+    state)``."""
     graphs = sgd.cuda_graphs == "on" or (
         sgd.cuda_graphs == "auto" and theta.shape[0] <= GRAPH_AUTO_MAX_CLIENTS
     )
@@ -678,21 +679,42 @@ def _local_loop(
     for s in range(plan.steps):
         x, y = data.batch(plan.idx[s])
         cx = {**ctx, **{k: v[s] for k, v in step_ctx.items()}} if step_ctx else ctx
-        grads, (_, (loss, new_buffers)) = step(theta, buffers, x, y, cx)
-        if all_active:
-            rule.step_(theta, grads, state, mask)
-            buffers = new_buffers
-            loss_sum = loss_sum + loss
-        else:
-            new_theta, new_state = rule.step(theta, grads, state, mask)
-            a = plan.active[s]
-            theta = _keep(a, new_theta, theta)
-            state = {k: _keep(a, new_state[k], v) for k, v in state.items()}
-            if buffers.shape[1]:
-                buffers = _keep(a, new_buffers, buffers)
-            loss_sum = loss_sum + loss * a
+        active = None if all_active else plan.active[s]
+        theta, buffers, state, loss = _train_step(
+            step, rule, mask, theta, buffers, state, x, y, cx, active
+        )
+        loss_sum = loss_sum + loss
     steps = plan.active.sum(0).clamp(min=1)
     return theta.detach(), buffers.detach(), loss_sum / steps, state
+
+
+def _train_step(
+    step: Callable,
+    rule: UpdateRule,
+    mask: Tensor | None,
+    theta: Tensor,
+    buffers: Tensor,
+    state: State,
+    x: Tensor,
+    y: Tensor,
+    ctx: dict[str, Tensor],
+    active: Tensor | None,
+) -> tuple[Tensor, Tensor, State, Tensor]:
+    """One local step of a group, the one step body of the eager loop and the CUDA graph:
+    ``step`` gives each client's gradient, ``rule`` updates ``theta`` and ``state``. With
+    ``active`` (``[C]`` bool) a client outside it keeps its theta, state and BatchNorm
+    statistics; without, every client steps and ``theta`` and ``state`` are updated in place.
+    Returns ``(theta, buffers, state, loss)``, the loss zero for the clients that kept theirs."""
+    grads, (_, (loss, new_buffers)) = step(theta, buffers, x, y, ctx)
+    if active is None:
+        rule.step_(theta, grads, state, mask)
+        return theta, new_buffers, state, loss
+    new_theta, new_state = rule.step(theta, grads, state, mask)
+    theta = _keep(active, new_theta, theta)
+    state = {k: _keep(active, new_state[k], v) for k, v in state.items()}
+    if buffers.shape[1]:
+        buffers = _keep(active, new_buffers, buffers)
+    return theta, buffers, state, loss * active
 
 
 GRAPH_AUTO_MAX_CLIENTS = 32  # "auto": larger groups are GPU-bound (see config.py)
@@ -712,7 +734,7 @@ def _graphed_loop(
     mask: Tensor | None,
     step_ctx: dict[str, Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, State]:
-    """The same steps, each replayed as one captured CUDA graph.
+    """The same steps, each :func:`_train_step` (masked) replayed as one captured CUDA graph.
 
     A vmapped step launches hundreds of small kernels; on a GPU their launch cost (~4 ms per
     step for LeNet, `benchmarks/gpu_variants.py`) exceeds the arithmetic. The step is written
@@ -726,16 +748,16 @@ def _graphed_loop(
     idx, active = plan.idx[0].clone(), plan.active[0].clone()
     sctx = {k: v[0].clone() for k, v in step_ctx.items()}
 
-    def body() -> None:
+    def body() -> None:  # _train_step, its results written into the static tensors
         x, y = data.batch(idx)
-        grads, (_, (loss, new_buffers)) = step(th, bu, x, y, {**ctx, **sctx})
-        new_theta, new_state = rule.step(th, grads, st, mask)
-        th.copy_(_keep(active, new_theta, th))
+        args = (step, rule, mask, th, bu, st, x, y, {**ctx, **sctx}, active)
+        new_theta, new_buffers, new_state, loss = _train_step(*args)
+        th.copy_(new_theta)
         for k, v in st.items():
-            v.copy_(_keep(active, new_state[k], v))
+            v.copy_(new_state[k])
         if bu.shape[1]:
-            bu.copy_(_keep(active, new_buffers, bu))
-        loss_sum.add_(loss.detach() * active)
+            bu.copy_(new_buffers)
+        loss_sum.add_(loss.detach())
 
     def load(s: int) -> None:
         idx.copy_(plan.idx[s])
@@ -783,7 +805,9 @@ def train_reference(
 ) -> tuple[Tensor, Tensor]:
     """The papers' way: client after client, a real ``nn.Module`` and ``torch.optim.SGD``.
 
-    Kept as the ground truth for tests and the baseline for benchmarks.
+    Kept as the ground truth for tests and the baseline for benchmarks: a deliberately
+    separate, plain implementation (no :func:`_train_step`), so a bug in the engine's step
+    cannot hide in both sides of a comparison.
     """
     if FlopMeter.active:
         count_flops(cross_entropy_loss, fm, theta, buffers, data, plan, {}, {})
