@@ -27,7 +27,7 @@ never defines them, so hyperfed offers no method under that name.
 
 **Start.** Alg. 1 line 3 initializes each device at random: ``init = "per_device"`` draws client
 i's (phi^0, z^0) from a generator seeded by (seed, i). The default ``"shared"`` gives every client
-one seeded draw, chosen on the validation split (0.983 vs 0.644, see ``DFedHPParams.init``).
+one seeded draw, chosen on the validation split (see ``DFedHPParams.init``).
 
 **When a model is scored.** Client i is evaluated with ``(h(phi_i, z_i), v_i)``. Every
 evaluated round scores it twice (the round driver, for every decentralized method):
@@ -91,17 +91,15 @@ class DFedHPParams(GossipParams):
     joint_phi_z: bool = paper(False, "seed 004 Alg. 1 (phi, then z)")
     # "literal": body = h(phi, z) as Eq. 2 writes it, W2 drawn and rescaled so the generated body
     # has the standard deviation of the model's own initialization; "residual": theta0_body +
-    # h(phi, z) with W2 = b2 = 0 at start (round 1 = the baselines' initial model). Validation
-    # split, digits, 6 MLP clients, 10 rounds, seeds 0-2: literal 0.829 / 0.849 / 0.823, residual
-    # 0.656 / 0.698 / 0.676 (docs/results.md's FMNIST runs used residual, set in their configs)
+    # h(phi, z) with W2 = b2 = 0 at start (round 1 = the baselines' initial model). Literal
+    # chosen on the validation split (docs/methods.md)
     generation: Literal["residual", "literal"] = paper(
-        "literal", "seed 004 Eq. 2; chosen over residual on validation"
+        "literal", "seed 004 Eq. 2; val 0.834 vs 0.677 for residual (3 seeds)"
     )
     # "per_device": each client draws its own phi^0, z^0 (Alg. 1 line 3, "initialize each device
     # at random"); "shared": one seeded draw for all (a common start, as DFedAvg's theta^0).
-    # Validation split, digits, 6 MLP clients, 10 rounds, seeds 0-2 (val_mean_acc): shared
-    # 0.987 / 0.976 / 0.985, per_device 0.612 / 0.830 / 0.490 -- gossip averages the phi of
-    # unrelated random hypernetworks, which the literal Eq. 2 start does not survive
+    # per_device: gossip averages the phi of unrelated random hypernetworks, which the literal
+    # Eq. 2 start does not survive (validation: docs/methods.md)
     init: Literal["per_device", "shared"] = chosen(
         "shared", "validation: shared 0.983 vs per_device 0.644 (mean, seeds 0-2)"
     )

@@ -34,46 +34,20 @@ Where the codes disagree (issue 35, item 7), and what is chosen:
   clips gradient norms at 50, and its loop steps the *client's* optimizer, so its header never
   moves); HtFLlib runs ``server_epochs=100`` shuffled epochs at its client batch size 10 with
   ``server_learning_rate=0.01``, about ten times more steps. Default: HtFLlib's 100 x 10,
-  chosen on a validation split (below); 1 x 1 is the authors' schedule. Both use plain SGD at
+  chosen on a validation split (val 0.889 vs 0.871 for 1 x 1, 3 seeds; docs/methods.md);
+  1 x 1 is the authors' schedule. Both use plain SGD at
   lr 1e-2 (``server_lr``), as here. The pair order is shuffled each pass by a generator seeded
   by (run seed, round, pass), so a run is reproducible and resumes exactly.
 * **Clipping the header step** (``server_clip``). LipingYi/FedGH clips the gradient norm at
   50, HtFLlib does not. Default: clip at 50 -- below it nothing changes (bit for bit), and it
-  keeps one client whose local training exploded from wrecking the header every client gets:
-  on 000:table2 (lr 0.05) seed 2, a VGG8 client uploaded a LAR of norm 9.9e9 in round 34;
-  unclipped, the header's norm went from 4.8 to 1.3e7 and 17 of 20 clients turned NaN;
-  clipped, the header stayed at 4.8 and the 19 other clients trained on (the exploded client's
-  own replies are rejected as non-finite from the next round on).
+  keeps one client whose local training exploded from wrecking the header every client gets
+  (seen on 000:table2 at lr 0.05; docs/methods.md).
 * **Which header a client is evaluated with** (``eval_header``). Figure 1's step 4 has the
   received global header replace the local one, so a client's model is its own extractor with
   the global header, and HtFLlib scores exactly that (``send_parameters`` sets the server head
   into every client before ``evaluate``): default ``"global"``. LipingYi/FedGH scores each
   client right after local training, i.e. with its locally trained header: ``"local"`` (the
   initial header for a client never sampled); records then say ``scores: local``.
-
-Validation (val_mean_acc at round 20, ``partition.val_fraction=0.15``, seeds 0 / 1 / 2; mean)::
-
-    .venv/bin/hyperfed run --quiet --set device=cpu --set dataset.name=fashion_mnist \
-      --set dataset.subsample=3000 --set clients.count=10 \
-      --set 'clients.models=["lenet","mlp"]' --set partition.name=quantity \
-      --set partition.classes_per_client=4 --set partition.val_fraction=0.15 \
-      --set rounds=20 --set eval_every=20 --set local.epochs=1 --set local.batch_size=32 \
-      --set algorithm.name=fedgh --set seed=S \
-      --set algorithm.server_epochs=E --set algorithm.server_batch_size=B \
-      --set algorithm.eval_header=H
-
-    E x B      H=global                         H=local
-    1 x 1      0.881 / 0.866 / 0.866; 0.871     0.860 / 0.877 / 0.842; 0.860
-    100 x 10   0.884 / 0.901 / 0.882; 0.889     0.888 / 0.887 / 0.861; 0.878
-
-100 x 10 is ahead on every seed with the global header; the text's ``global`` reading is also
-ahead of ``local`` in both schedules (means), so the defaults are 100 x 10, ``global``.
-
-The same on scikit-learn's digits (all 1,797 samples, ``local.batch_size=16``, H=global), near
-its ceiling: 1 x 1 0.982 / 0.981 / 0.962 (0.975), 100 x 10 0.978 / 0.985 / 0.978 (0.980). On
-the issue-19 digits task (tests/test_learning.py: 600 samples, 6 LeNets, 2 classes each, 10
-rounds) the final mean test accuracy went from 0.757 / 0.838 / 0.604 (1 x 1) to 0.952 / 0.993
-/ 0.916 (100 x 10), seeds 0 / 1 / 2.
 
 This module also holds the pieces FedTGP shares with it (the representation width at join, the
 count-free class payload and its check).
@@ -154,19 +128,18 @@ class FedGHParams:
     server_epochs: Count = chosen(
         SERVER_EPOCHS,
         "passes over the uploaded LARs per round: 1 (LipingYi/FedGH) or 100 (HtFLlib "
-        "servergh.py); chosen on a validation split (module docstring)",
+        "servergh.py); val 0.889 vs 0.871 for 1 x 1 (3 seeds; docs/methods.md)",
     )
     server_batch_size: Count = chosen(
         SERVER_BATCH,
         "LARs per server step: 1 (LipingYi/FedGH) or 10 (HtFLlib, its client batch size); "
-        "chosen on a validation split (module docstring)",
+        "chosen with server_epochs (docs/methods.md)",
     )
     server_clip: Positive = chosen(
         50.0,
         "the header step's gradient norm is clipped at this value, as LipingYi/FedGH does "
         "(clip_grad_norm_ 50; HtFLlib does not clip). Below it nothing changes; it keeps one "
-        "client whose local training exploded (a finite LAR of norm 1e10, 000:table2 seed 2 "
-        "at lr 0.05) from blowing up the header every client receives",
+        "client whose local training exploded from blowing up the header (docs/methods.md)",
     )
     eval_header: EvalHeader = paper(
         "global",
@@ -232,8 +205,8 @@ def header_step(
 ) -> None:
     """One SGD step of the Linear header on ``mean_batch CE(W R + b, s)``, in place, with the
     softmax-regression gradient written out (``err = (softmax(W R + b) - e_s) / n``,
-    ``dW = err^T R``, ``db = sum err``): the same step as autograd + ``torch.optim.SGD``, about
-    4x faster on a CPU (100 x 10 server epochs are thousands of tiny steps a round). The
+    ``dW = err^T R``, ``db = sum err``): the same step as autograd + ``torch.optim.SGD``, faster
+    on a CPU (100 x 10 server epochs are thousands of tiny steps a round). The
     gradient (dW, db) is scaled to norm ``clip`` when longer (``clip_grad_norm_``)."""
     err = torch.softmax(torch.addmm(header.bias, reps, header.weight.T), dim=1) - onehot
     err /= reps.shape[0]

@@ -20,9 +20,8 @@ its own q clusters (clients grouped by the parameter count they report, as FedAv
 Choices: random initialization = cluster 0 is the architecture's shared initialization and
 cluster j > 0 re-runs PyTorch's default initializer under the run seed and j (identical
 starts would send every client to cluster 0 forever). q = 3: seed 001 does not give its
-setting; at q = 2 the clients of tests/test_learning.py's label-skewed task fell into one large
-cluster from round 1 (5 of 6 clients: in effect FedAvg, mean accuracy 0.288 over 3 seeds,
-against 0.524 at q = 3).
+setting; at q = 2 a label-skewed task's clients fell into one large cluster, in effect FedAvg
+(docs/methods.md).
 """
 
 from __future__ import annotations

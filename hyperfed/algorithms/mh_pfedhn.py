@@ -12,19 +12,10 @@ gradients; ``"alg1"`` is Alg. 1 and the authors' loop: client after client, thet
 from the hypernetwork as the previous client's step left it, trained, then one Adam step
 (the round driver runs such a round as one exchange per client, ``Server.client_by_client``);
 ``"sequential"`` also steps once per client, but every theta_i is generated at the round's
-start, so later steps apply updates measured from a hypernetwork that has since moved.
-Issue 20 chose "mean" over "sequential" on the validation split (50 FMNIST clients, 2 classes
-each: "sequential" stayed at chance), comparing seed 0 with seed 1; the cross-check against
-the authors' code (docs/crosscheck.md, issue 53) found that their loop is "alg1", which is
-not at chance: with their settings it leads ours by 35 points at round 30 while ours ran
-"sequential", and their own code changed to generate at the round's start falls to 64.0 (from
-97.4 at a fixed client order, seed 0); ours under "alg1" follows theirs. On the validation
-split of seed 000's harder setting (20 LeNet-style clients, 4 classes each, 3,000 images, lr
-0.05, 60 rounds, ``partition.val_fraction=0.15``, seeds 0-2, the same seeds for both) "mean"
-ends at 92.19 ± 0.86 val accuracy (91.53 / 91.63 / 93.40) and "alg1" at 91.31 ± 1.61 (92.39 /
-89.04 / 92.50; best rounds 92.85 vs 92.26): level within the spread, so "mean" (one vmapped
-exchange a round, ~0.6x alg1's time here) stays the default. Every table of docs/results.md
-ran "mean".
+start, so later steps apply updates computed from a hypernetwork that has since moved (not
+Alg. 1). Default "mean" [C], chosen on the validation split: val 92.19 vs "alg1" 91.31 (harder
+setting, seeds 0-2), level within the spread, and one vmapped exchange a round; the runs and
+the cross-check against the authors' loop: docs/claims/000.md (C1), docs/crosscheck.md.
 
 **MH-pFedHNG.** A lightweight global model (``global_model``, LeNet-style by default; K_g
 its parameter count, a head of tau_g = ceil(K_g/N) channels -- the smallest client's head
@@ -37,18 +28,11 @@ sum of CE and KL(w_g || theta) at temperature T (Eq. 8, ClientUpdate2 of Alg. 2)
 the paper's lambda ``kd_lambda`` (the "balancing factor", Appendix D.6; §4.1's values:
 CIFAR-100 T=15 / lambda=0.01, Tiny-ImageNet 24 / 0.2, EMNIST 10 / 0.1). Which term lambda
 weighs is ambiguous: ``kd_weighting="eq8"`` is Eq. 8 as printed, ``kd_lambda * CE +
-(1 - kd_lambda) * KL``; ``"kl_weight"`` (the default, chosen on validation in session 18)
-reads lambda as the KL's weight, ``(1 - kd_lambda) * CE + kd_lambda * KL``. On the
-validation split of ``configs/seed000/fmnist_homo.toml`` (20 LeNet clients, lr 0.05, 60
-rounds, ``partition.val_fraction=0.15``, seeds 0-2) "kl_weight" led in all six seeds: 97.38
-vs 96.71 mean val accuracy with 2 classes a client (``results/claims/000-kdw-val``) and
-90.91 vs 88.10 with 4 classes and 3,000 pooled images (``results/claims/000-hard-kdw-val``),
-where Eq. 8 as printed lost up to 7 points after its best round (the 0.9-weighted KL pulls
-every client toward the global LeNet's predictions). Every MH-pFedHNGD row of
-docs/results.md and docs/claims measured between issue 20 and session 18 ran "eq8". Eq. 8's
-L_KL is the plain KL [P]; ``kd_t2=True`` multiplies it by T^2 as in Hinton et al. and the
-authors' code (100x at T = 10); on the harder setting's validation split (seeds 0-2, the same
-for both) it scored 89.75 against 90.91 without (docs/crosscheck.md).
+(1 - kd_lambda) * KL``; ``"kl_weight"`` (the default [C]) reads lambda as the KL's weight,
+``(1 - kd_lambda) * CE + kd_lambda * KL``: val 97.38 vs "eq8" 96.71 (seeds 0-2), ahead in
+all six seeds of both settings (docs/claims/000.md, C3). Eq. 8's L_KL is the plain KL [P];
+``kd_t2=True`` multiplies it by T^2 as in Hinton et al. and the authors' code (validation:
+docs/crosscheck.md).
 
 One exchange per round: the server sends w_g and theta_i together, so theta_i is generated
 before that round's global-model update (Alg. 2 generates it after); the global update
@@ -59,12 +43,10 @@ of training; in the final ``adapt_rounds`` rounds only they take part, the hyper
 frozen and only their embeddings are learned -- plus any head that only new clients use
 (a new architecture: new head, frozen extractor). Metrics add ``mean_acc_old``/``_new``.
 The new parameters get an Adam of their own at ``adapt_lr``, one step a round on the
-clients' updates (the authors' ``run_test.py``: a fresh Adam on the embeddings). Until
-issue 53 they were stepped by the hypernetwork's Adam at ``hn_lr`` = 2e-4: an N(0, 1)
-embedding then moves by at most 2e-4 a round, so a new client was scored at what the
-hypernetwork makes of a random code (the authors' embeddings start at N(0, 0.002^2), where
-2e-4 a step over their 500 rounds is a large move). The default was chosen on the validation
-split, identical trained state per seed for every reading (docs/claims/000.md, C5).
+clients' updates (the authors' ``run_test.py``: a fresh Adam on the embeddings); the
+hypernetwork's Adam at ``hn_lr`` = 2e-4 would move an N(0, 1) embedding by at most 2e-4 a
+round, too little to adapt (issue 53). Default chosen on the validation split
+(docs/claims/000.md, C5).
 
 **The authors' code (GitHub DangDang1895/MH-pFL) as options.** ``hn_update="alg1"``
 with ``hn_grad_clip=50`` (their ``--grad-clip``: the hypernetwork's gradient norm clipped
@@ -182,8 +164,8 @@ class MHPFedHNParams:
     # the round's start; "alg1": client after client, each generated after the previous step
     hn_update: HNUpdate = chosen(
         "mean",
-        "val acc at round 60 (harder setting, seeds 0-2): 92.19 vs 91.31 for alg1 (inside "
-        "alg1's spread; alg1 fell 3.4 points late at seed 1); results/claims/000-hnupdate-val",
+        "val acc at round 60 (harder setting, seeds 0-2): 92.19 vs 91.31 for alg1, level; "
+        "results/claims/000-hnupdate-val",
     )
     # G / GD: the lightweight global model's architecture
     global_model: str | None = paper(None, "seed 000 §3.2 (MH-pFedHN has none)")

@@ -38,9 +38,8 @@ Choices the paper leaves open, or that hyperfed's setting forces:
   MOON with the global-model methods that "fail to improve" the personalized model (§1).
   ``evaluate="local"`` scores each client's model after its latest local training ``w_i``
   (``w^0`` for a client never sampled), the reading of seed 001's PM@Acc as "a local model
-  after local training"; on a digits probe the same training run scores 0.971 that way
-  against 0.577 for the global model, so the two must never share a table unlabeled
-  (every record says which: ``scores``).
+  after local training"; the two score far apart on the same training run (docs/methods.md),
+  so they must never share a table unlabeled (every record says which: ``scores``).
 * **Heterogeneous clients.** MOON contrasts a model with versions of itself, so with a mix
   of architectures it runs one federation per architecture, as ``fedavg`` does.
 """

@@ -23,7 +23,7 @@ recommendation; on a model without normalization layers it keeps the classifier 
 
 What is not here, and why: PartialFed-Adaptive (a strategy A^c learned per client) is not
 implemented. Its definition (how the per-layer selection is parameterized and optimized) could
-not be read from an accessible text of the paper or from the authors' code in this session,
+not be read from an accessible text of the paper or from the authors' code,
 only from its abstract and a secondary summary; implementing it from a guess would put a
 method under PartialFed's name that the paper may not define.
 

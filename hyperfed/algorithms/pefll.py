@@ -49,10 +49,7 @@ does this for every client). Metrics add ``mean_acc_old`` / ``_new``.
 then ``n_hidden`` times ``ReLU, Linear(hidden, hidden)``, then the output layer to the K
 parameters (the authors' one Linear per target tensor, here one Linear of K: the same map);
 ``--hyper-nhid 3`` (their default) is 4 Linear layers before the output. It learns more slowly
-than the earlier 3 (``n_hidden=2``) on tests/test_learning.py's digits task (6 LeNet clients,
-label skew; final mean test accuracy, seeds 0 / 1 / 2): 0.751 / 0.828 / 0.801 at 40 rounds
-against 0.929 / 0.912 / 0.915, and 0.944 against 0.966 at 80 rounds (seed 0); the default stays
-the authors'.
+than ``n_hidden=2`` on a small digits task (docs/methods.md); the default stays the authors'.
 
 Choices: the embedding network is a zoo model (``embed_model``, LeNet-style by default, as the
 authors' CNN) whose input is the sample with its one-hot label appended as constant channels;

@@ -27,7 +27,7 @@ trained vector, the loss through h (:func:`generated_loss`) and the Adam rule
 trained phi_k: uploaded, kept as next round's negative and evaluated. ``[local]`` epochs and
 batch size set the steps; ``[local]`` lr, momentum and weight decay are not used in this mode
 (phi's optimizer is ``hn_optimizer`` / ``hn_lr``). Chosen on the validation split of
-Fashion-MNIST (configs/seed001/fmnist_val.toml, seeds 0-1): see :class:`PFedKTParams`.
+Fashion-MNIST (configs/seed001/fmnist_val.toml): see :class:`PFedKTParams`.
 
 Choices the paper leaves open (documented on :class:`PFedKTParams` and here):
 
@@ -37,11 +37,11 @@ Choices the paper leaves open (documented on :class:`PFedKTParams` and here):
   ``hn_same_start=True`` gives every client the same draw (seeded by the run seed).
   ``hn_init="target"`` (ours; the paper gives no init) rescales the output layer so the first
   generated model has the spread of the target model's own init (plain ``nn.Linear`` init,
-  ``"linear"``, generates weights ~5x too large on kt_cnn and local SGD diverged).
+  ``"linear"``, generates weights too large on kt_cnn and local SGD diverged).
   ``hn_init="layer"`` (ours) gives each *layer* its own init spread: one shared output layer
   makes every layer of the generated model the same spread, so with ``target`` LeNet's first
-  conv starts ~9x smaller than its own init, the signal vanishes, and 40 SGD steps from the
-  generated model stay at the majority class (docs/claims/001.md, C1's diagnosis).
+  conv starts far below its own init, the signal vanishes, and SGD from the generated model
+  stays at the majority class (docs/claims/001.md, C1's diagnosis).
 
 * **First participation.** Alg. 1 initializes every private model to the initial global
   model (``omega_k^0 = omega^0``). We do the same, so in round 1 positive and negative are
@@ -61,10 +61,8 @@ Choices the paper leaves open (documented on :class:`PFedKTParams` and here):
   ``l_con = max(sum_b d+_b - sum_b d-_b + alpha, 0)``: above the hinge the term is B times the
   mean's, so the paper's mu under a sum is about B times ours under a mean (issue 54). It
   applies to the ``triplet`` and ``l2reg`` losses (whatever the ``distance``); ``moon`` keeps
-  its per-sample mean. On the validation split (``configs/seed001/fmnist_val.toml``, seeds
-  0-2, the same for both) "sum" scored 96.43 ± 1.47 against 96.09 ± 1.47: ahead by 0.32-0.35
-  in every seed, inside the seeds' spread; "mean" stays the default, so every pFedKT row
-  before it keeps its meaning (docs/claims/001.md).
+  its per-sample mean. Default "mean" [C]: val 96.09 vs "sum" 96.43 (3 seeds), inside the
+  seeds' spread, so earlier pFedKT rows keep their meaning (docs/claims/001.md).
 * **Evaluation.** The personalized model is the client's *trained* private model
   ``omega_k`` (Alg. 1 returns these; the paper's PM@Acc), with the client's BatchNorm
   statistics. A client never sampled yet is evaluated with ``omega^0``.
@@ -131,17 +129,13 @@ class PFedKTParams:
       ``first_order`` (Alg. 1 steps 2-5: SGD on theta, one Eq. 1 step on phi per round); see
       the module docstring. Default chosen on validation accuracy (the mark says the numbers).
     - ``hn_lr`` / ``hn_optimizer``: None = the mode's default (``HN_DEFAULTS``): adam at 1e-3
-      for end_to_end (validation accuracy over seeds 0-1 on configs/seed001/fmnist_val.toml:
-      0.805 at 1e-3, 0.694 at the paper's 5e-3, 0.624 at 1e-4; first_order: 0.521), sgd at
-      1e-4 for first_order. Caveat: on the one-client Fig. 2 config (seed 1) Adam at 1e-3
-      and 5e-3 collapse to a constant predictor in round 1 (loss ln 10, dead ReLUs) while 1e-4
-      learns (0.723; training alone 0.783); seed 0 at 1e-3 learns (0.825 vs 0.815). ``hn_lr`` is eta_HN of Eq. 1/10. **First-order default 1e-4, not the
+      for end_to_end (chosen on the validation split: val 0.805 vs 0.694 at the paper's 5e-3,
+      configs/seed001/fmnist_val.toml; the runs: docs/methods.md), sgd at 1e-4 for
+      first_order. ``hn_lr`` is eta_HN of Eq. 1/10. **First-order default 1e-4, not the
       paper's 5e-3** (§6.1): with the VJP of Eq. 9 summed over chunks, the shared output layer
-      sees every chunk, so ``lambda_max(J J^T)`` grows with the number of chunks (about 7.2e3
-      at init for kt_cnn on 28x28 inputs, 2,882 chunks) and plain gradient steps are stable
-      only below ``2 / lambda_max`` (~2.8e-4). At 5e-3 the generated model blows up to Inf
-      within 5 updates toward a fixed target; Adam at 5e-3 moves it by ~50 in L2 norm per
-      update (the trained change is ~1).
+      sees every chunk, so ``lambda_max(J J^T)`` grows with the number of chunks and plain
+      gradient steps are stable only below ``2 / lambda_max``, far below 5e-3 for kt_cnn
+      (docs/methods.md).
     - ``hn_optimizer``: ``sgd`` (Eq. 10 is a plain gradient step) or ``adam``; the paper does
       not name one. ``hn_momentum`` applies to ``sgd``.
     - ``hn_grad_clip``: None (the paper names no clipping) or a bound on each client's Eq. 10
@@ -157,8 +151,8 @@ class PFedKTParams:
     - ``hn_init``: how the hypernetwork starts (the paper does not say). ``target``: embeddings
       N(0, 1) and ``nn.Linear`` default init, with the output layer rescaled so the first
       generated model has the standard deviation of the target model's own initialization
-      omega^0; ``linear``: no rescaling (on kt_cnn its generated weights are ~5x the usual
-      init scale and local SGD at lr 1e-2 diverges to NaN for some clients); ``layer``: the
+      omega^0; ``linear``: no rescaling (on kt_cnn its generated weights are several times
+      the usual init scale and local SGD diverges for some clients); ``layer``: the
       output at unit std times a fixed per-entry scale, each layer's std in omega^0
       (:func:`layer_scale`, ``ChunkedHypernet.scale``), so every layer starts at its own
       init spread.

@@ -36,50 +36,18 @@ here (its abstract and Fig. 2's five steps only); the mechanics follow KarhouTam
   initialization (``"shared"``) every theta_j is equal in round 1, so the gradient reaching
   alpha_i is the same for every j and the normalisation cancels it; afterwards it is a product
   of the small differences between client models and the update.
-* ``hn_lr``: at the reference codes' 5e-3 that product is far too small to move alpha: on
-  configs/seed000/fmnist_homo.toml (3000 images, 50 clients) every weight stayed within 1e-6
-  of its start over 30 rounds, i.e. pFedLA ran as unweighted FedAvg, whatever the sign. One
-  SGD step changes alpha by about ``hn_lr |f|^2 (g - mean g) / S^2``, where f is the MLP's
-  output, ``g_j = <theta_j, -Delta theta_i>`` and ``S = sum_j relu(.)`` grows with N (U(0, 1)
-  output weights): the lr alpha needs grows like N^2 and as local training gets shorter.
+* ``hn_lr``: at the reference codes' 5e-3 that product is far too small to move alpha, so
+  pFedLA runs as unweighted FedAvg, whatever the sign. One SGD step changes alpha by about
+  ``hn_lr |f|^2 (g - mean g) / S^2``, where f is the MLP's output, ``g_j = <theta_j, -Delta
+  theta_i>`` and ``S = sum_j relu(.)`` grows with N (U(0, 1) output weights): the lr alpha
+  needs grows like N^2 and as local training gets shorter.
 
-Chosen on validation splits (fashion_mnist, 3000 images, LeNet clients with 2 classes each,
-seed 0; mean validation accuracy at the last round, largest change of any alpha over the run):
-
-    hyperfed run -c configs/seed000/fmnist_homo.toml --set dataset.subsample=3000 \
-      --set partition.val_fraction=0.15 --set algorithm.name=pfedla \
-      --set clients.count=10 --set rounds=20        (A; B: 50 clients, rounds=30)
-      --set algorithm.pfedla.init=... / .hn_direction=... / .hn_lr=...
-
-    A: 10 clients, 20 rounds (FedAvg 0.271, Local 0.941)
-    init        hn_direction  hn_lr   val acc  max |d alpha|
-    shared      toward        5e-3    0.380    0.002     (the old defaults)
-    per_client  toward/away   5e-3    0.101    0.0002
-    per_client  toward        0.5     0.101    0.022
-    per_client  away          0.5     0.101    0.016
-    per_client  toward        5       0.304    0.125
-    per_client  away          5       0.000    0.095     (diverged)
-    per_client  toward        50      0.522    0.913
-    shared      away          5       0.126    0.921
-    shared      toward        0.5     0.835    0.144
-    shared      toward        5       0.932    0.911
-    shared      toward        50      0.898    0.911
-    shared      toward        500     0.921    0.911
-    shared      toward        5e3     0.921    0.915
-    shared      toward        5e4     0.921    0.921
-    shared      toward        5e5     0.951    0.924     <- defaults
-
-    B: 50 clients, 30 rounds (as the issue's setting; Local 0.837; FedAvg 0.149 at 15 rounds)
-    shared      toward        5       0.177    0.0005    (15 rounds; 50: 0.177, 0.004)
-    shared      toward        500     0.201    0.98
-    shared      toward        5e3     0.664    0.99
-    shared      toward        5e4     0.784    0.98
-    shared      toward        5e5     0.847    0.98      <- defaults
-
-The reference's per-client initialization loses here: near-uniform first weights average N
-independent draws of a model without BatchNorm (the reference's CNN has it), which shrinks
-every layer by about sqrt(N) and leaves LeNet unable to learn; its weights then have to
-recover first. It stays an option (and is tested); ``"away"`` diverges or stalls.
+Defaults ``init="shared"``, ``hn_direction="toward"``, ``hn_lr=5e5`` [C], chosen on validation
+splits of 10 and 50 FMNIST clients: val 0.951 vs 0.380 at the reference codes' lr with 10
+clients (the runs: docs/methods.md). The reference's per-client initialization loses here:
+near-uniform first weights average N independent draws of a model without BatchNorm (the
+reference's CNN has it), which shrinks every layer by about sqrt(N) and leaves LeNet unable to
+learn. It stays an option (and is tested); ``"away"`` diverges or stalls.
 
 Comparing with FL-bench: its pFedLA client loads its stored personal model *after* the mixed
 one, overwriting it (FL-bench issue #164 describes the load order), so every client trains and
@@ -145,7 +113,7 @@ class PFedLAParams:
 
     hn_lr: Positive = chosen(
         5e5,
-        "validation splits (module docstring): best of 5e-3 .. 5e5 on 10 and on 50 clients; "
+        "validation splits (docs/methods.md): best of 5e-3 .. 5e5 on 10 and on 50 clients; "
         "5e-3, the reference codes' value, leaves alpha where it starts (pFedLA = FedAvg)",
     )
     embed_dim: Count = chosen(100, f"size of v_i, {REFERENCE}")
@@ -153,12 +121,12 @@ class PFedLAParams:
     n_layers: Count = chosen(3, f"Linear+ReLU layers of the MLP, {REFERENCE}")
     init: Init = chosen(
         "shared",
-        "validation split (module docstring); 'per_client' is KarhouTam/pFedLA's, and averaging "
+        "validation split (docs/methods.md); 'per_client' is KarhouTam/pFedLA's, and averaging "
         "independent draws of a model without BatchNorm leaves it unable to learn",
     )
     hn_direction: Direction = chosen(
         "toward",
-        "validation split, module docstring ('away': both reference codes' sign)",
+        "validation split, docs/methods.md ('away': both reference codes' sign)",
     )
 
 
