@@ -235,13 +235,12 @@ class LocalConfig(_Section):
     vectorize: Literal["auto", "on", "off", "reference"] = "auto"
     # GPU only: replay each local step as one captured CUDA graph (same arithmetic, no
     # per-kernel launch cost); a loss that cannot be captured runs eagerly with a warning.
-    # auto: for groups of at most 32 clients, where launches bound the step (H100: 1.75x on
-    # the heterogeneous benchmark's groups of 10; 0.88x on one group of 50, which is
-    # GPU-bound and pays the capture each round)
+    # auto: for groups of at most 32 clients, where launches bound the step (a group of 50 is
+    # GPU-bound and pays the capture each round; docs/performance.md)
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # channels-last (NHWC) activations in the non-vmapped forwards (client loop, evaluation):
-    # same arithmetic, faster oneDNN kernels on a CPU (2 cores: 1.2-1.4x per LeNet step);
-    # auto: on for CPU runs. Not measured on a GPU, where the vmapped step cannot use it.
+    # same arithmetic, faster oneDNN kernels on a CPU (docs/performance.md); auto: on for CPU
+    # runs. Not used on a GPU, where the vmapped step cannot use it.
     channels_last: Literal["auto", "on", "off"] = "auto"
     # torch.compile (inductor) of the client loop's cross-entropy step (forward + backward),
     # compiled once per architecture; a model that fails to compile runs eagerly. auto: only

@@ -97,25 +97,23 @@ SCALES = ("cpu", "cpu-hard", "paper")
 
 # Seed 000 at CPU scale: 20 clients of the config's 6000 pooled images (~225 training images
 # each, 4 local steps an epoch), local lr 0.05 for every
-# method, 60 rounds evaluated every 3. Measured (seed 0, 2-core CPU): FedAvg's last-window gain
-# -1.9 points, MH-pFedHN's +0.3 (both plateaued). The earlier 50 x 45-image setting (30 rounds,
-# lr 0.01) left FedAvg near chance (24.40: the budget, not the method).
+# method, 60 rounds evaluated every 3: FedAvg and MH-pFedHN plateau there, where the earlier
+# 50 x 45-image setting left FedAvg near chance (docs/claims/000.md: the budget, not the method).
 _SEED000_CPU = ("clients.count=20", "local.lr=0.05", "rounds=60", "eval_every=3")
 # Harder (docs/claims/000.md, "C1 in a harder setting"): 3000 pooled images and 4 classes of
-# 10 a client (~112 training images each, closer to EMNIST's 6 of 62): Local 88.57 against
-# 97.19 at _SEED000_CPU (seeds 0-2, results/000-table1-cpu-hard).
+# 10 a client (~112 training images each, closer to EMNIST's 6 of 62): Local off the ceiling
+# it reaches at _SEED000_CPU (results/000-table1-cpu-hard).
 _SEED000_HARD = (*_SEED000_CPU, "dataset.subsample=3000", "partition.classes_per_client=4")
 # Table 2's mixed LeNet / VGG8 / MLP clients learn slower: at 60 rounds FedAvg, pFedHN, FedGH
 # and pFedLHN were still rising (results/000-table2-cpu-60r), so its CPU scale runs 100 rounds.
 # Its local lr is 0.03, chosen here on validation: at Table 1's 0.05 a VGG8 client's local
-# training diverged (non-finite loss) in Local seeds 0 and 2 and FedGH seed 2; the Local and
-# FedAvg studies (results/000-table2-cpu/tune) scored lrs 0.016-0.036 best on validation.
+# training diverged (docs/results.md; studies in results/000-table2-cpu/tune).
 _SEED000_TABLE2_CPU = ("clients.count=20", "local.lr=0.03", "rounds=100", "eval_every=5")
 # Seed 002 at CPU scale: the configs' N = 10, C = 100% column with the paper's T = 100 for
 # C = 100% (§10); 2 classes per client, 480 training images each (1/10 of CIFAR-10's 4800).
 _SEED002_CPU = ("rounds=100", "eval_every=5")
 # Harder (docs/claims/002.md): 5 classes and 300 images a client (240 to train): Standalone
-# 86.75 against 97.69 at _SEED002_CPU (seeds 0-2, results/claims/002-c5-cpu).
+# off the ceiling it reaches at _SEED002_CPU (results/claims/002-c5-cpu).
 _SEED002_HARD = (*_SEED002_CPU, "dataset.subsample=3000", "partition.classes_per_client=5")
 # Tables 2 and 3 share their rows (Standalone = local)
 _SEED002_METHODS = ("local", "fml", "fedkd", "lg_fedavg", "fd", "fedproto", "pfedes")
@@ -200,7 +198,7 @@ TARGETS: dict[str, Target] = {
             # PM@Acc for every row (§6.1): FedAvg and MOON, which test their global model by
             # default, score each client's model after its local training here. 80 rounds
             # (each client trains every other round at participation 0.5): at the config's 20,
-            # FedRep still gained ~10 points in its last window.
+            # FedRep was still rising.
             cpu=(
                 "clients.models=lenet",
                 "rounds=80",
@@ -344,11 +342,11 @@ TARGETS: dict[str, Target] = {
             "dfedhp_fmnist_ring.toml",
             ("local", "dfedavg", "dfedalt", "dispfl", "dfedhp"),
             ("dfedhp",),
-            # 2.5x the config's 40 rounds (~4 min a run on 2 cores); DFedAvg and DisPFL still
-            # rise ~0.5 points per 10 rounds there in some seeds (docs/results.md: "not converged")
+            # 2.5x the config's 40 rounds; DFedAvg and DisPFL still rise there in some seeds
+            # (docs/results.md: "not converged")
             cpu=("rounds=100",),
-            # half the pooled images (~150 a client): Local 85.13 against 88.87 at the cpu
-            # scale (seeds 0-2, results/claims/004-hard-cpu; docs/claims/004.md)
+            # half the pooled images (~150 a client): Local further from its ceiling than at
+            # the cpu scale (results/claims/004-hard-cpu; docs/claims/004.md)
             cpu_hard=("rounds=100", "dataset.subsample=3000"),
             paper={
                 "local": 61.54,

@@ -30,8 +30,8 @@ _NHWC = {"on": False}  # set by channels_last(); read by FunctionalModel._call
 def channels_last(enabled: bool = True) -> Iterator[None]:
     """Run every :class:`FunctionalModel` forward inside the block with channels-last (NHWC)
     activations: 4-D inputs and every Conv2d output are made channels-last, so oneDNN's
-    NHWC convolution and pooling kernels run (2-core CPU, batch 64: LeNet step 1.3-1.4x,
-    VGG8 1.2x faster; `hyperfed bench` modes loop, loop-nchw). Same arithmetic, other
+    NHWC convolution and pooling kernels run (faster on a CPU: docs/performance.md; `hyperfed
+    bench` modes loop, loop-nchw). Same arithmetic, other
     summation order. Not applied under ``vmap`` (functorch cannot batch a memory format)
     nor to the reference loop's own ``nn.Module`` calls."""
     before = _NHWC["on"]
@@ -103,7 +103,7 @@ class ParamLayout:
         """Views of ``flat[..., K]`` as named tensors (leading dims are kept)."""
         lead = flat.shape[:-1]
         # one split rather than a slice per tensor: the backward is one cat, where slices
-        # would each scatter into a zero-filled gradient of size K (profiled: ~25% of a step)
+        # would each scatter into a zero-filled gradient of size K (a large share of a step)
         parts = flat.split([s.numel for s in self.segments], dim=-1)
         return {s.name: p.reshape(*lead, *s.shape) for s, p in zip(self.segments, parts)}
 
@@ -239,8 +239,8 @@ class FunctionalModel:
     def _bound_call(self, tensors: dict[str, Tensor], x: Tensor, kwargs: dict) -> object:
         """``functional_call``'s effect without its per-call bookkeeping (untying, module
         traversal, checked swaps): the views are put straight into the modules' parameter and
-        buffer slots and the originals put back. A LeNet step on 10 images, 1 thread: ~7% of
-        the step (`hyperfed bench`'s issue-27 workload)."""
+        buffer slots and the originals put back (the bookkeeping is a visible share of a small
+        step: docs/performance.md)."""
         saved = [slots[key] for slots, key, _ in self._slots]
         try:
             for slots, key, name in self._slots:

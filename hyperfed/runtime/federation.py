@@ -89,8 +89,7 @@ def resolve_sgd(cfg: ExperimentConfig, algorithm_defaults: dict[str, Any]) -> SG
 def execution_path(cfg: ExperimentConfig, device: torch.device) -> tuple[bool, bool]:
     """(vectorize, reference) for ``local.vectorize``. "auto": one vmapped step per group on
     a GPU; client after client on a CPU, where per-step overhead dominates and batched
-    convolutions do not pay (`hyperfed bench`, 2-core dev machine, 8 Fashion-MNIST clients:
-    the loop 1.13x the reference loop's speed, vmap 0.88x)."""
+    convolutions do not pay (`hyperfed bench`; docs/performance.md)."""
     mode = cfg.local.vectorize
     return mode == "on" or (mode == "auto" and device.type == "cuda"), mode == "reference"
 
