@@ -35,6 +35,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from multiprocessing import forkserver as mp_forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -275,14 +276,22 @@ def _portable(e: BaseException) -> BaseException:
     return e
 
 
+def start_fork_server() -> None:
+    """Start the fork server the workers are forked from (it imports torch and hyperfed's
+    modules once, on another core) without waiting for it: called as soon as a simulation
+    knows it will use workers, its imports overlap the data loading and model building."""
+    if START_METHOD == "forkserver":
+        mp.get_context(START_METHOD).set_forkserver_preload(["hyperfed.runtime.simulate"])
+        mp_forkserver.ensure_running()
+
+
 class WorkerPool:
     """N spawned worker processes, each building its chunk runner with ``init(*args, data)``
     once; :meth:`map` runs tasks on whichever is free and returns results in task order."""
 
     def __init__(self, n: int, init: Callable[..., ChunkFn], args: tuple, data: FederatedData):
         ctx: Any = mp.get_context(START_METHOD)
-        if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(["hyperfed.runtime.simulate"])
+        start_fork_server()
         shared = SharedData.of(data)
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
