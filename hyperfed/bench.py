@@ -42,13 +42,13 @@ from hyperfed.engine.local import (
     COMPILE_STATS,
     GRAPH_STATS,
     BatchPlan,
-    FlopMeter,
     SGDConfig,
     client_seed,
     compiled_loss,
     plan_batches,
     train_clients,
 )
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.models.zoo import ModelInputError, build_model, check_input, model_names
 from hyperfed.runtime.simulate import Simulation, resolve_device, use_channels_last

@@ -10,7 +10,9 @@ from torch import Tensor
 from toy import tiny_mlp, toy_federation
 
 from hyperfed.algorithms.base import ClientContext, ClientGroup, Payload, PersonalModelClient
-from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients
+from hyperfed.engine.evaluation import evaluate_clients
+from hyperfed.engine.local import SGDConfig
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.runtime.clients import ClientHost, MemoryStore
 
 GROUPS = {"a": [0, 2], "b": [1, 3]}

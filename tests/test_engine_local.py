@@ -9,10 +9,10 @@ import shutil
 import pytest
 import torch
 
+from hyperfed.engine.evaluation import evaluate_clients
 from hyperfed.engine.local import (
     SGDConfig,
     client_seed,
-    evaluate_clients,
     plan_batches,
     train_clients,
     train_reference,
@@ -187,7 +187,8 @@ def test_training_inside_measured_flops_is_counted_once() -> None:
     from torch.utils.flop_counter import FlopCounterMode
     from toy import tiny_mlp, toy_federation
 
-    from hyperfed.engine.local import SGDConfig, measured_flops, plan_batches, train_clients
+    from hyperfed.engine.local import SGDConfig, plan_batches, train_clients
+    from hyperfed.engine.metering import measured_flops
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(8, 3, generator=g, dtype=torch.float64)
@@ -214,7 +215,7 @@ def test_flop_sum_counts_what_torchs_flop_counter_counts(model) -> None:
     (einsum -> bmm, its hand-written head gradient, Adam's fused step)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hyperfed.engine.local import FlopSum
+    from hyperfed.engine.metering import FlopSum
     from hyperfed.hypernet.multihead import MultiHeadHypernet
 
     torch.manual_seed(0)
@@ -331,7 +332,7 @@ def test_batched_evaluation_equals_per_client_evaluation(vectorize, digits_data)
 
 
 def test_same_models_groups_equal_rows_only():
-    from hyperfed.engine.local import _same_models
+    from hyperfed.engine.evaluation import _same_models
 
     theta = torch.tensor([[1.0, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 4]])
     buffers = torch.tensor([[0.0], [5], [0], [0]])  # row 1: same weights, other statistics
@@ -606,7 +607,7 @@ def test_frozen_flops_count_only_the_trainable_backward():
     """FLOPs of a head-only step of z = (x W1^T + b1) W2^T + b2 on a batch B: forward
     2BDH + 2BHC, backward only dL/dW2 (2BHC); a full backward adds dL/dr (2BHC) and dL/dW1
     (2BDH). Counted for the steps taken (2 clients x 3)."""
-    from hyperfed.engine.local import FlopMeter
+    from hyperfed.engine.metering import FlopMeter
 
     fm, data, theta, (d, h, c) = _two_layer()
     head = fm.layout.mask(["classifier"])
@@ -642,7 +643,7 @@ def test_flops_of_losses_that_differ_only_in_a_bound_setting_are_measured_apart(
     step of z = (x W1^T + b1) W2^T + b2 costs 4BDH + 6BHC per forward (forward 2BDH + 2BHC,
     backward dW1 2BDH, dr and dW2 2BHC each), so 2 forwards cost twice 1 -- the FLOP cache
     must not hand the second loss the first one's count."""
-    from hyperfed.engine.local import FlopMeter
+    from hyperfed.engine.metering import FlopMeter
 
     fm, data, theta, (d, h, c) = _two_layer()
     sgd = SGDConfig(lr=0.5, momentum=0.0, weight_decay=0.0, epochs=3, batch_size=4)

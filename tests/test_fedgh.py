@@ -29,7 +29,8 @@ from hyperfed.algorithms.base import ClientContext, ClientGroup, ServerContext
 from hyperfed.algorithms.fedgh import FedGHClient, FedGHParams, FedGHServer
 from hyperfed.config import validate_hparams
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import SGDConfig, evaluate_clients
+from hyperfed.engine.evaluation import evaluate_clients
+from hyperfed.engine.local import SGDConfig
 from hyperfed.errors import ConfigError
 
 CPU = torch.device("cpu")

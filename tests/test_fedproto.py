@@ -28,7 +28,9 @@ from hyperfed.algorithms.fedproto import (
 )
 from hyperfed.config import load_config
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import FlopMeter, SGDConfig, evaluate_clients
+from hyperfed.engine.evaluation import evaluate_clients
+from hyperfed.engine.local import SGDConfig
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.runtime.simulate import Simulation
 

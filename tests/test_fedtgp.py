@@ -33,7 +33,8 @@ from hyperfed.algorithms.fedtgp import (
 )
 from hyperfed.config import validate_hparams
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import SGDConfig, evaluate_clients
+from hyperfed.engine.evaluation import evaluate_clients
+from hyperfed.engine.local import SGDConfig
 
 CPU = torch.device("cpu")
 F64 = torch.float64

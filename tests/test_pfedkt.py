@@ -20,7 +20,8 @@ from hyperfed.algorithms.pfedkt import (
 )
 from hyperfed.config import ConfigError, load_config, validate_hparams
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import FlopMeter, SGDConfig
+from hyperfed.engine.local import SGDConfig
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, update
 from hyperfed.models.layout import FunctionalModel
 from hyperfed.models.zoo import build_model

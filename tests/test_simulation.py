@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hyperfed.config import load_config
-from hyperfed.engine.local import evaluate_clients, train_reference
+from hyperfed.engine.evaluation import evaluate_clients
+from hyperfed.engine.local import train_reference
 from hyperfed.runtime.simulate import Simulation
 
 BASE = [

@@ -93,8 +93,8 @@ from hyperfed.distill.component import (
 )
 from hyperfed.distill.losses import group_batches, supcon_loss
 from hyperfed.distill.synthesis import DistillConfig
-from hyperfed.engine.local import FlopMeter
 from hyperfed.engine.losses import kd_loss
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.errors import ConfigError
 from hyperfed.hparams import Count, NonNeg, NonNegInt, Positive, Unit
 from hyperfed.models.layout import FunctionalModel

@@ -71,7 +71,8 @@ from hyperfed.algorithms.base import (
     chosen,
     paper,
 )
-from hyperfed.engine.local import FlopMeter, client_seed
+from hyperfed.engine.local import client_seed
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.engine.topology import GossipParams
 from hyperfed.hparams import NonNeg, NonNegInt, Unit
 from hyperfed.models.layout import FunctionalModel

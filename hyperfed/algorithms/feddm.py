@@ -72,7 +72,8 @@ from hyperfed.distill.synthesis import (
     perturb_within,
     train_on_synthetic,
 )
-from hyperfed.engine.local import FlopMeter, SGDConfig, client_seed
+from hyperfed.engine.local import SGDConfig, client_seed
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.errors import ConfigError
 from hyperfed.hparams import Count, NonNeg, NonNegInt, Positive
 from hyperfed.progress import PhaseCost

@@ -79,7 +79,9 @@ from hyperfed.algorithms.base import (
     chosen,
 )
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import FlopMeter, client_seed, evaluate_clients
+from hyperfed.engine.evaluation import evaluate_clients
+from hyperfed.engine.local import client_seed
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.hparams import Count, NonNeg, Unit
 from hyperfed.models.layout import FunctionalModel
 

@@ -41,7 +41,8 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
 )
-from hyperfed.engine.local import FlopMeter, evaluate_clients
+from hyperfed.engine.evaluation import evaluate_clients
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.hparams import Count
 from hyperfed.models.layout import FunctionalModel, fresh_init
 

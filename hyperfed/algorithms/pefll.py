@@ -81,7 +81,8 @@ from hyperfed.algorithms.base import (
     ServerContext,
     chosen,
 )
-from hyperfed.engine.local import FlopMeter, client_seed, plan_batches
+from hyperfed.engine.local import client_seed, plan_batches
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.engine.optim import adam
 from hyperfed.errors import ConfigError
 from hyperfed.hparams import Count, NonNegInt, Positive, Space

@@ -94,7 +94,8 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.algorithms.fedavg import FedAvgServer
 from hyperfed.algorithms.local_settings import SEED001
-from hyperfed.engine.local import FlopMeter, LossFn, train_clients
+from hyperfed.engine.local import LossFn, train_clients
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.engine.optim import SGD, Adam, UpdateRule
 from hyperfed.hparams import Count, NonNeg, NonNegInt, Positive, Space
 from hyperfed.hypernet.chunked import ChunkedHypernet, HNOptimizer, optimizer_step

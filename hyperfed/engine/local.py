@@ -28,7 +28,7 @@ plain autograd (CPU default; with channels-last activations inside
 trains each parameter as its own leaf with torch's fused SGD kernel, other losses one flat
 leaf), each
 vmapped step replayed as a CUDA graph (``cuda_graphs``), and :func:`train_reference`.
-:class:`FlopMeter` measures what any of them trains.
+:class:`~hyperfed.engine.metering.FlopMeter` measures what any of them trains.
 
 A frozen part (``trainable``) is outside the backward pass where it can be: when the mask
 freezes whole parameters and the loss reads ``theta`` only through the model
@@ -41,7 +41,6 @@ entries' update is masked after it. Both give the same update.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import weakref
@@ -54,10 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import grad_and_value, vmap
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from hyperfed.data.federated import FederatedData
+from hyperfed.engine.metering import FlopMeter, count_flops
 from hyperfed.engine.optim import SGD, State, UpdateRule
 from hyperfed.models.layout import FunctionalModel, Params
 
@@ -93,153 +91,6 @@ class BatchPlan:
     @property
     def steps(self) -> int:
         return int(self.idx.shape[0])
-
-
-class FlopMeter:
-    """Counts the training FLOPs of every :func:`train_clients` (and reference) call made inside
-    ``with FlopMeter() as meter:`` -- whatever the loss trains (a second model, an extractor,
-    a teacher's forward pass). One step of one client is measured once per (model, loss,
-    shapes) with torch's flop counter (forward + backward, batch of ``B``) and multiplied by
-    the number of client-steps taken. The optimizer update itself is not counted."""
-
-    active: list[FlopMeter] = []
-    exact = False  # inside counting(): every op is counted as it runs, steps are not estimated
-
-    def __init__(self) -> None:
-        self.total = 0
-
-    def __enter__(self) -> FlopMeter:
-        FlopMeter.active.append(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        FlopMeter.active.remove(self)
-
-    @staticmethod
-    @contextmanager
-    def counting() -> Iterator[None]:
-        """Count every op run inside (:class:`FlopSum`) into the active meters: for the few
-        large ops outside local training (hypernetwork generation and update)."""
-        if not FlopMeter.active:
-            yield
-            return
-        outer, FlopMeter.exact = FlopMeter.exact, True
-        try:
-            with FlopSum() as counter:
-                yield
-        finally:
-            FlopMeter.exact = outer
-        for meter in FlopMeter.active:
-            meter.total += counter.get_total_flops()
-
-
-class FlopSum(TorchDispatchMode):
-    """The FLOPs of every op run inside ``with FlopSum() as c:`` (``c.get_total_flops()``),
-    by torch's own flop formulas (``torch.utils.flop_counter``); ops without one count zero.
-    ``FlopCounterMode`` counts the same ops but also tracks the module hierarchy of every op
-    and tries to decompose every op without a formula, every time: counting one MH-pFedHN
-    server round (~320 ops) added 11-17 ms with it, ~3 ms with this. No op hyperfed runs needs
-    the decomposition (the totals are equal, tests/test_engine_local.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def get_total_flops(self) -> int:
-        return self.total
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
-        return out
-
-
-def measured_flops(fn: Callable[..., T], *args: object) -> tuple[T, int]:
-    """``fn(*args)`` and the FLOPs of its ops (the server's round work, e.g. a hypernetwork)."""
-    with FlopMeter() as meter, FlopMeter.counting():
-        out = fn(*args)
-    return out, meter.total
-
-
-_STEP_FLOPS: dict[tuple, int] = {}  # (step key, frozen parameters) -> FLOPs
-
-
-def count_flops(
-    loss_fn: LossFn,
-    fm: FunctionalModel,
-    theta: Tensor,
-    buffers: Tensor,
-    data: FederatedData,
-    plan: BatchPlan,
-    ctx: dict[str, Tensor],
-    step_ctx: dict[str, Tensor],
-    frozen: list[tuple[bool, ...] | None] | None = None,
-) -> None:
-    """Add the training FLOPs of ``plan``'s client-steps to the active meters: one step of
-    ``loss_fn`` w.r.t. ``theta`` (whatever ``theta`` is: a model's parameters, or the
-    hypernetwork that generates them) measured once per key, the one cache of every loop.
-    ``frozen[c]``: the parameters client ``c``'s steps keep outside the backward pass
-    (:func:`frozen_parameters`; None: a full backward), so its steps are counted as run."""
-    if FlopMeter.exact:  # the surrounding counter sees every op of this training already
-        return
-    fn = getattr(loss_fn, "func", loss_fn)  # functools.partial
-    key = (
-        fm.name,
-        fm.num_params,
-        theta.shape[-1],  # what is trained (a hypernetwork's size when theta is its phi)
-        getattr(fn, "__qualname__", repr(fn)),
-        _loss_settings(loss_fn),
-        tuple(data.input_shape),
-        plan.idx.shape[-1],
-        tuple((k, tuple(v.shape[1:])) for k, v in sorted(ctx.items())),
-        tuple((k, tuple(v.shape[2:])) for k, v in sorted(step_ctx.items())),
-    )
-    steps: dict[tuple[bool, ...] | None, int] = {}
-    for c, n in enumerate(plan.counts):
-        fz = frozen[c] if frozen else None
-        steps[fz] = steps.get(fz, 0) + n
-    for fz, client_steps in steps.items():
-        if (key, fz) not in _STEP_FLOPS:
-            x, y = data.batch(plan.idx[0, 0])
-            cx = {k: v[0] for k, v in ctx.items()} | {k: v[0, 0] for k, v in step_ctx.items()}
-            th: Params
-            if fz is None:
-                th = theta[0].detach().requires_grad_(True)
-                inputs: tuple[Tensor, ...] = (th,)
-            else:
-                th = _with_constants(fm, theta[0].detach(), fz)
-                inputs = tuple(p for p, f in zip(th, fz) if not f)
-            with FlopSum() as counter, torch.enable_grad():
-                loss, _ = loss_fn(fm, th, buffers[0], x, y, cx)  # type: ignore[arg-type]
-                torch.autograd.grad(loss, inputs)
-            _STEP_FLOPS[(key, fz)] = int(counter.get_total_flops())
-        for meter in FlopMeter.active:
-            meter.total += _STEP_FLOPS[(key, fz)] * client_steps
-
-
-def _loss_settings(loss_fn: object, depth: int = 0) -> tuple[str, ...]:
-    """What a loss function has bound, for the FLOP cache key: a ``functools.partial``'s
-    arguments and a closure's captured values (pFedKT's ``hp``, a wrapped loss), scalars,
-    strings and dataclasses (hyperparameters) by value, nested losses by their own settings,
-    anything else by type. Two losses of one function that differ only in a setting (the
-    number of forward passes, say) are measured apart."""
-    bound: list[object] = list(getattr(loss_fn, "args", ()))
-    bound += [v for _, v in sorted(getattr(loss_fn, "keywords", {}).items())]
-    fn = getattr(loss_fn, "func", loss_fn)
-    bound += [cell.cell_contents for cell in getattr(fn, "__closure__", None) or ()]
-    out: list[str] = []
-    for v in bound:
-        if isinstance(v, (bool, int, float, str, type(None))) or dataclasses.is_dataclass(v):
-            out.append(repr(v))
-        elif callable(v) and depth < 3:
-            name = getattr(getattr(v, "func", v), "__qualname__", type(v).__name__)
-            out.append(f"{name}{_loss_settings(v, depth + 1)}")
-        else:
-            out.append(type(v).__name__)
-    return tuple(out)
 
 
 def client_seed(seed: int, rnd: int, client_id: int, salt: int = 0) -> int:
@@ -828,125 +679,3 @@ def train_reference(
         out_theta.append(t.clone())
         out_buf.append(b.clone())
     return torch.stack(out_theta), torch.stack(out_buf)
-
-
-@torch.no_grad()
-def evaluate_clients(
-    fm: FunctionalModel,
-    theta: Tensor,
-    buffers: Tensor,
-    data: FederatedData,
-    client_ids: list[int],
-    split: str = "test",
-    chunk: int = 2048,
-    vectorize: bool | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-client (correct, total, loss_sum) of each client's model on its own split.
-
-    On a CPU each client is evaluated alone, on its own samples in fixed chunks: its numbers
-    do not depend on which other clients are evaluated with it (a process of ``local.workers``
-    evaluates a chunk of them), since a convolution's result can change bitwise with the batch
-    it is in. On a GPU, batched where it pays: clients holding the same model (FedAvg's global
-    model, a cluster's) in one forward over their samples together; distinct models of one
-    architecture in one vmapped forward when ``vectorize`` (default: on a GPU; on a 2-core CPU
-    a vmapped LeNet evaluation took 1.8x the client loop's time).
-    """
-    index = {"test": data.test_idx, "val": data.val_idx, "train": data.train_idx}[split]
-    dev = theta.device
-    n = len(client_ids)
-    correct = torch.zeros(n, device=dev)
-    loss_sum = torch.zeros(n, device=dev, dtype=theta.dtype)  # a float64 model sums in float64
-    total = torch.tensor([float(index[c].numel()) for c in client_ids], device=dev)
-    if vectorize is None:
-        vectorize = theta.is_cuda
-    singles = []
-    shared = _same_models(theta, buffers) if dev.type != "cpu" else [[r] for r in range(n)]
-    for rows in shared:
-        if len(rows) == 1:
-            singles.append(rows[0])
-            continue
-        idx = torch.cat([index[client_ids[r]] for r in rows])
-        owner = torch.cat(
-            [torch.full((index[client_ids[r]].numel(),), r, device=dev) for r in rows]
-        )
-        for start in range(0, int(idx.numel()), chunk):
-            x, y = data.batch(idx[start : start + chunk])
-            logits = fm.forward(theta[rows[0]], buffers[rows[0]], x)
-            assert isinstance(logits, Tensor)
-            who = owner[start : start + chunk]
-            correct.index_add_(0, who, (logits.argmax(1) == y).to(correct.dtype))
-            ls = F.cross_entropy(logits, y, reduction="none").to(loss_sum.dtype)
-            loss_sum.index_add_(0, who, ls)
-    if vectorize and len(singles) > 1 and isinstance(fm, FunctionalModel):
-        mine = [index[client_ids[r]] for r in singles]
-        ok, ls = _evaluate_vmapped(fm, theta, buffers, data, singles, mine, chunk)
-        rows_t = torch.tensor(singles, device=dev)
-        correct[rows_t], loss_sum[rows_t] = ok.to(correct.dtype), ls.to(loss_sum.dtype)
-        singles = []
-    for r in singles:
-        idx = index[client_ids[r]]
-        for start in range(0, int(idx.numel()), chunk):
-            x, y = data.batch(idx[start : start + chunk])
-            logits = fm.forward(theta[r], buffers[r], x)
-            assert isinstance(logits, Tensor)
-            correct[r] += (logits.argmax(1) == y).sum()
-            loss_sum[r] += F.cross_entropy(logits, y, reduction="sum")
-    return correct, total, loss_sum
-
-
-def _same_models(theta: Tensor, buffers: Tensor) -> list[list[int]]:
-    """Rows of ``theta`` (with ``buffers``) grouped by equal values, in first-seen order: a
-    few sampled entries of each row propose the groups, ``torch.equal`` confirms them."""
-    g = torch.Generator().manual_seed(0)
-    pos = torch.randint(0, max(1, theta.shape[1]), (32,), generator=g).to(theta.device)
-    keys = [tuple(k) for k in theta[:, pos].tolist()] if theta.shape[1] else [()] * len(theta)
-    groups: dict[tuple, list[list[int]]] = {}
-    order: list[list[int]] = []
-    for r, key in enumerate(keys):
-        for rows in groups.setdefault(key, []):
-            first = rows[0]
-            if torch.equal(theta[first], theta[r]) and torch.equal(buffers[first], buffers[r]):
-                rows.append(r)
-                break
-        else:
-            groups[key].append([r])
-            order.append(groups[key][-1])
-    return order
-
-
-def _evaluate_vmapped(
-    fm: FunctionalModel,
-    theta: Tensor,
-    buffers: Tensor,
-    data: FederatedData,
-    rows: list[int],
-    index: list[Tensor],
-    chunk: int,
-) -> tuple[Tensor, Tensor]:
-    """(correct, loss_sum) of ``theta[rows]`` on their own samples, in vmapped forwards over
-    the clients; shorter sample lists are padded with a valid index and masked."""
-    dev = theta.device
-    sizes = torch.tensor([int(i.numel()) for i in index], device=dev)
-    longest = int(sizes.max()) if index else 0
-    correct = torch.zeros(len(rows), device=dev)
-    loss_sum = torch.zeros(len(rows), device=dev, dtype=theta.dtype)
-    if longest == 0:
-        return correct, loss_sum
-    padded = torch.zeros(len(rows), longest, dtype=torch.long, device=dev)
-    for j, i in enumerate(index):
-        padded[j, : i.numel()] = i
-    rows_t = torch.tensor(rows, device=dev)
-    th, bu = theta[rows_t], buffers[rows_t]
-    fm.module.eval()
-    forward = vmap(lambda t, b, x: fm.forward(t, b, x))
-    step = max(1, chunk // len(rows))
-    for start in range(0, longest, step):
-        x, y = data.batch(padded[:, start : start + step])
-        logits = forward(th, bu, x)
-        pos = torch.arange(start, start + x.shape[1], device=dev)
-        valid = pos[None, :] < sizes[:, None]
-        ok = (logits.argmax(-1) == y) & valid
-        ls = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)
-        correct += ok.sum(1)
-        loss_sum += (ls * valid).sum(1)
-    return correct, loss_sum

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import FlopMeter
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.models.layout import FunctionalModel
 
 

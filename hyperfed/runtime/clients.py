@@ -28,7 +28,8 @@ from hyperfed.algorithms.base import (
     unstack_payload,
 )
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import FlopMeter, evaluate_clients
+from hyperfed.engine.evaluation import evaluate_clients
+from hyperfed.engine.metering import FlopMeter
 from hyperfed.models.layout import FunctionalModel, channels_last
 
 State = dict[str, Tensor]  # one client's persistent state

@@ -51,7 +51,7 @@ from hyperfed.algorithms.base import (
     update_norms,
 )
 from hyperfed.config import DefenseConfig
-from hyperfed.engine.local import measured_flops
+from hyperfed.engine.metering import measured_flops
 from hyperfed.progress import phase
 from hyperfed.runtime.gossip import Gossip
 from hyperfed.runtime.rundir import CheckpointWriteError, RunDir

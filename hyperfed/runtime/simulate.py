@@ -31,7 +31,7 @@ from hyperfed.algorithms.base import (
 )
 from hyperfed.config import ConfigError, ExperimentConfig, to_toml
 from hyperfed.data.federated import FederatedData
-from hyperfed.engine.local import FlopSum
+from hyperfed.engine.metering import FlopSum
 from hyperfed.models.layout import FunctionalModel, channels_last
 from hyperfed.progress import PhaseCost, phase
 from hyperfed.runtime.clients import ClientHost, MemoryStore
