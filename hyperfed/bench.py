@@ -9,14 +9,12 @@ every 10 rounds. Each execution path runs the same rounds from the same seed:
   activations on a CPU, ``local.channels_last``); ``loop-nchw``: the same without them;
 - ``vmap``: the engine, all clients of one architecture in one vmapped step;
 - ``graphs`` (GPU): ``vmap`` with each step replayed as one captured CUDA graph;
-- ``compiled``: ``loop`` with each architecture's step compiled by torch.compile
-  (``local.compile = "on"``; the compile happens in the warm-up round, outside the timing);
 - ``workers``: ``loop`` with the round's clients trained in one worker process per physical
   core (``local.workers = "auto"``, one torch thread each; the pool starts in the warm-up).
 
 :func:`step_table` (``hyperfed bench --models ...``) times one client's local step per zoo
 model instead and reports its FLOP/s against the machine's dense-matmul FLOP/s, measured in
-the same process, and (``--compile``) the compiled step's compile seconds and speed-up.
+the same process.
 
 Hypernetwork generation and update are included in every path. Seconds per round count a
 tenth of an evaluation (eval every 10 rounds). Never a unit test: it prints ratios.
@@ -39,12 +37,10 @@ from torch import Tensor
 from hyperfed.config import ConfigError, ExperimentConfig, load_config
 from hyperfed.data.federated import FederatedData
 from hyperfed.engine.local import (
-    COMPILE_STATS,
     GRAPH_STATS,
     BatchPlan,
     SGDConfig,
     client_seed,
-    compiled_loss,
     plan_batches,
     train_clients,
 )
@@ -59,7 +55,6 @@ MODES = {
     "reference": "reference",
     "loop": "off",
     "loop-nchw": "off",
-    "compiled": "off",
     "workers": "off",
     "vmap": "on",
     "graphs": "on",
@@ -141,7 +136,6 @@ def _bench_config(
             f"rounds={rounds}",
             f"local.cuda_graphs={'on' if mode == 'graphs' else 'off'}",
             f"local.channels_last={'off' if mode == 'loop-nchw' else 'auto'}",
-            f"local.compile={'on' if mode == 'compiled' else 'off'}",
             f"local.workers={'auto' if mode == 'workers' else 1}",
         ],
     )
@@ -253,7 +247,6 @@ def run_benchmark(
             printer(f"repetition {rep + 1} of {repeat}:")
         for mode in modes:
             GRAPH_STATS.update(captured=0, failed=0)
-            COMPILE_STATS.update(compiled=0, failed=0)
             r = bench_mode(mode, data, models, rounds, algorithm, dev, batch_size, epochs)
             runs[mode].append(r)
             extra = ""
@@ -261,8 +254,6 @@ def run_benchmark(
                 extra = (
                     f" ({GRAPH_STATS['captured']} graphs captured, {GRAPH_STATS['failed']} failed)"
                 )
-            if mode == "compiled":
-                extra = f" ({COMPILE_STATS['compiled']} compiled, {COMPILE_STATS['failed']} failed)"
             printer(f"  {mode:<9} {r.seconds_per_round:8.3f} s/round" + extra)
     base_mode = "reference" if "reference" in runs else modes[0]
     results = []
@@ -289,7 +280,7 @@ def run_benchmark(
     return results
 
 
-# -- per-model local step: FLOP/s against the machine's dense matmul, and torch.compile ------
+# -- per-model local step: FLOP/s against the machine's dense matmul -------------------------
 
 
 def _timed(device: torch.device, fn: Callable[..., object], *args: object) -> float:
@@ -316,8 +307,6 @@ class StepResult:
     flops_per_step: int
     eager_s: float  # median seconds per local step (the engine's client loop)
     matmul_flops: float  # median dense-matmul FLOP/s, measured between the steps
-    compiled_s: float | None = None  # the same step compiled
-    compile_s: float | None = None  # the compile (first compiled steps minus eager steps)
 
     @property
     def flops(self) -> float:
@@ -342,14 +331,13 @@ def step_table(
     batch_size: int = 64,
     steps: int = 5,
     repeats: int = 5,
-    compile: bool = False,
     device: str = "auto",
     printer=print,  # type: ignore[no-untyped-def]
 ) -> list[StepResult]:
     """Per model: one client's local step as the engine's client loop runs it (forward,
     backward, in-place SGD; channels-last on a CPU), its FLOPs as :class:`FlopMeter` counts
     them, and its FLOP/s against a dense matmul timed in between (``repeats`` interleaved
-    rounds of ``steps`` steps each; medians). ``compile``: also the torch.compile'd step."""
+    rounds of ``steps`` steps each; medians)."""
     dev = resolve_device(device)
     for m in models:
         try:
@@ -365,7 +353,6 @@ def step_table(
     data = synthetic_federation(1, batch_size * steps, shape, classes).to(dev)
     plan = plan_batches(data.train_idx, 1, batch_size, [client_seed(0, 1, 0)])
     sgd = SGDConfig(lr=0.01, momentum=0.9, weight_decay=1e-4, epochs=1, batch_size=batch_size)
-    compiled_sgd = dataclasses.replace(sgd, compile="on")
     results = []
     with channels_last(dev.type == "cpu"):
         for m in models:
@@ -378,47 +365,22 @@ def step_table(
             with FlopMeter() as meter:
                 run(sgd)  # warm-up
             flops = meter.total // plan.steps
-            first = None
-            if compile:
-                first = _timed(dev, run, compiled_sgd)
-            eager, mm, comp = [], [], []
+            eager, mm = [], []
             for _ in range(repeats):
                 mm.append(matmul_flops(dev))
                 eager.append(_timed(dev, run, sgd) / plan.steps)
-                if compile:
-                    comp.append(_timed(dev, run, compiled_sgd) / plan.steps)
             r = StepResult(m, flops, statistics.median(eager), statistics.median(mm))
-            if compile and first is not None:
-                ok = compiled_loss(fm) is not None
-                r.compiled_s = statistics.median(comp) if ok else None
-                r.compile_s = first - plan.steps * (r.compiled_s or r.eager_s) if ok else None
             results.append(r)
-            done = f"  {m}: {1e3 * r.eager_s:.2f} ms/step, {r.flops / 1e9:.2f} GFLOP/s"
-            if r.compiled_s is not None:
-                done += f"; compiled {1e3 * r.compiled_s:.2f} ms/step, compile {r.compile_s:.0f} s"
-            printer(done)
+            printer(f"  {m}: {1e3 * r.eager_s:.2f} ms/step, {r.flops / 1e9:.2f} GFLOP/s")
     printer("")
-    head = "| model | MFLOP/step | ms/step | GFLOP/s | matmul GFLOP/s | fraction |"
-    rule = "|---|---|---|---|---|---|"
-    if compile:
-        head += " compiled ms/step | speed-up | compile s |"
-        rule += "---|---|---|"
-    printer(head)
-    printer(rule)
+    printer("| model | MFLOP/step | ms/step | GFLOP/s | matmul GFLOP/s | fraction |")
+    printer("|---|---|---|---|---|---|")
     for r in results:
         line = (
             f"| {r.model} | {r.flops_per_step / 1e6:.1f} | {1e3 * r.eager_s:.2f} | "
             f"{r.flops / 1e9:.2f} | {r.matmul_flops / 1e9:.1f} | "
             f"{r.flops / r.matmul_flops:.1%} |"
         )
-        if compile:
-            if r.compiled_s is None:
-                line += " failed | - | - |"
-            else:
-                line += (
-                    f" {1e3 * r.compiled_s:.2f} | {r.eager_s / r.compiled_s:.2f}x | "
-                    f"{r.compile_s:.1f} |"
-                )
         printer(line)
     return results
 

@@ -730,9 +730,6 @@ def bench(
             "FLOP/s against the machine's matmul FLOP/s."
         ),
     ] = None,
-    compile_: Annotated[
-        bool, typer.Option("--compile", help="With --models: also the torch.compile'd step.")
-    ] = False,
 ) -> None:
     """Time the papers' per-client loop against the engine on the same workload."""
     from hyperfed.bench import parse_models, run_benchmark, step_table
@@ -744,7 +741,6 @@ def bench(
             shape=tuple(int(s) for s in shape.split(",")),
             classes=classes,
             batch_size=batch_size,
-            compile=compile_,
             device=device,
             printer=printer,
         )

@@ -242,10 +242,6 @@ class LocalConfig(_Section):
     # same arithmetic, faster oneDNN kernels on a CPU (docs/performance.md); auto: on for CPU
     # runs. Not used on a GPU, where the vmapped step cannot use it.
     channels_last: Literal["auto", "on", "off"] = "auto"
-    # torch.compile (inductor) of the client loop's cross-entropy step (forward + backward),
-    # compiled once per architecture; a model that fails to compile runs eagerly. auto: only
-    # the models in hyperfed.engine.local.COMPILE_AUTO, measured faster on a CPU.
-    compile: Literal["auto", "on", "off"] = "auto"
     # CPU only: train each round's clients in N worker processes (one torch thread each, the
     # client data in shared memory), each architecture group split into N chunks; the replies
     # are identical to workers = 1 (one process). auto (the default): one per physical core
@@ -264,6 +260,21 @@ class LocalConfig(_Section):
         if isinstance(v, str) and v.isdigit() and 1 <= int(v) <= MAX_WORKERS:
             return int(v)
         raise ValueError(f"allowed: auto or a whole number from 1 to {MAX_WORKERS}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_compile(cls, data: Any) -> Any:
+        """``compile`` (a torch.compile'd client step) was removed: it was slower than the eager
+        step wherever measured (docs/performance.md). Its "auto" and "off" ran the eager step,
+        so a recorded run's config (``compile = "auto"``) still loads and resumes unchanged."""
+        if not isinstance(data, dict) or "compile" not in data:
+            return data
+        if data["compile"] not in ("auto", "off"):
+            raise ValueError(
+                "compile was removed (the compiled step measured slower than the eager one, "
+                "docs/performance.md); delete the key"
+            )
+        return {k: v for k, v in data.items() if k != "compile"}
 
 
 class DefenseConfig(_Section):

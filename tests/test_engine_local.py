@@ -2,9 +2,7 @@
 
 import copy
 import dataclasses
-import logging
 import os
-import shutil
 
 import pytest
 import torch
@@ -237,76 +235,21 @@ def test_flop_sum_counts_what_torchs_flop_counter_counts(model) -> None:
     assert mine.get_total_flops() == reference.get_total_flops() > 0
 
 
-# -- local.compile: the client loop's step compiled by torch.compile --------------------------
+# -- local.compile: removed (the compiled step measured slower), recorded configs still load --
 
 
-def _inductor_available() -> bool:
-    try:
-        import torch._inductor  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return shutil.which(os.environ.get("CXX", "g++")) is not None
+def test_removed_compile_key_loads_as_eager_and_refuses_on():
+    """A recorded run's ``local.compile = "auto"`` (the old default) or ``"off"`` meant the
+    eager step: such a config loads as if the key were absent, so old run directories resume;
+    ``"on"`` asked for the removed path and gets one line naming the key."""
+    from hyperfed.config import ConfigError, load_config
 
-
-@pytest.mark.skipif(not _inductor_available(), reason="inductor needs a C++ compiler")
-def test_compiled_step_equals_eager_step(digits_data):
-    from hyperfed.engine import local
-
-    clients = [0, 1]
-    fm, theta, buffers, plan, sgd = _setup("mlp", digits_data.to(DEVICE), clients)
-    eager = train_clients(fm, theta, buffers, digits_data, plan, sgd, vectorize=False)
-    before = dict(local.COMPILE_STATS)
-    on = dataclasses.replace(sgd, compile="on")
-    compiled = train_clients(fm, theta, buffers, digits_data, plan, on, vectorize=False)
-    assert local.COMPILE_STATS["compiled"] == before["compiled"] + 1, "the step was compiled"
-    assert local.COMPILE_STATS["failed"] == before["failed"]
-    for a, b in zip(compiled, eager):
-        assert torch.allclose(a, b, atol=2e-5, rtol=1e-4), (a - b).abs().max()
-    assert not torch.allclose(compiled[0], theta), "training must change the parameters"
-    # cached per model: a second call (another round) compiles nothing new
-    train_clients(fm, theta, buffers, digits_data, plan, on, vectorize=False)
-    assert local.COMPILE_STATS["compiled"] == before["compiled"] + 1
-
-
-@pytest.mark.parametrize("where", ["torch.compile", "first call"])
-def test_compile_failure_falls_back_to_the_eager_step(where, digits_data, monkeypatch, caplog):
-    from hyperfed.engine import local
-
-    def broken_compile(fn, **kwargs):
-        if where == "torch.compile":
-            raise RuntimeError("no compiler here")
-
-        def run(*args):
-            raise RuntimeError("inductor failed")
-
-        return run
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    fm, theta, buffers, plan, sgd = _setup("lenet", digits_data.to(DEVICE), [0, 1])
-    eager = train_clients(fm, theta, buffers, digits_data, plan, sgd, vectorize=False)
-    failed = local.COMPILE_STATS["failed"]
-    on = dataclasses.replace(sgd, compile="on")
-    with caplog.at_level(logging.DEBUG, logger="hyperfed"):
-        out = train_clients(fm, theta, buffers, digits_data, plan, on, vectorize=False)
-        train_clients(fm, theta, buffers, digits_data, plan, on, vectorize=False)
-    assert local.COMPILE_STATS["failed"] == failed + 1, "tried once per model, then eager"
-    assert [r.levelno for r in caplog.records if "torch.compile" in r.message] == [logging.DEBUG]
-    # a failure at the first call finishes that call on the flat-vector loop, whose rounding
-    # differs from the per-parameter loop's (engine.local._leaf_sgd_loop) in the last bits
-    for a, b in zip(out, eager):
-        assert torch.allclose(a, b, atol=2e-6, rtol=1e-5), (a - b).abs().max()
-
-
-def test_compile_auto_uses_only_the_measured_models(monkeypatch):
-    from hyperfed.engine import local
-
-    fm = FunctionalModel(build_model("lenet", (1, 8, 8), 3), "lenet")
-    auto = SGDConfig(compile="auto")
-    monkeypatch.setattr(local, "COMPILE_AUTO", {})
-    assert not local.use_compile(auto, fm, torch.zeros(1, 2))
-    monkeypatch.setattr(local, "COMPILE_AUTO", {"lenet": 1.2})
-    assert local.use_compile(auto, fm, torch.zeros(1, 2))
-    assert not local.use_compile(SGDConfig(compile="off"), fm, torch.zeros(1, 2))
+    plain = load_config(None)
+    for value in ('"auto"', '"off"'):
+        assert load_config(None, [f"local.compile={value}"]) == plain
+    with pytest.raises(ConfigError, match=r"^local: compile was removed") as err:
+        load_config(None, ['local.compile="on"'])
+    assert "\n" not in str(err.value)
 
 
 # -- evaluation of all clients, batched -------------------------------------------------------

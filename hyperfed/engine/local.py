@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import math
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -74,7 +73,6 @@ class SGDConfig:
     epochs: float = 2  # a phase may take part of an epoch (FedRep at E = 1)
     batch_size: int = 64
     cuda_graphs: str = "off"  # on / auto (groups <= GRAPH_AUTO_MAX_CLIENTS) / off; GPU only
-    compile: str = "off"  # on / auto (COMPILE_AUTO models, CPU) / off: torch.compile'd step
 
     def rule(self) -> SGD:
         """The update rule these settings give (:func:`train_clients`' default)."""
@@ -276,18 +274,14 @@ def train_clients(
     ctx = ctx or {}
     step_ctx = step_ctx or {}
     rule = sgd.rule() if rule is None else rule
-    run_loss = loss_fn
-    plain = loss_fn is cross_entropy_loss and not ctx and not step_ctx
-    if plain and not vectorize and use_compile(sgd, fm, theta):  # local.compile
-        run_loss = compiled_loss(fm) or loss_fn
 
     def step_loss(th: Tensor, bu: Tensor, x: Tensor, y: Tensor, cx: dict) -> tuple:
-        loss, new_bu = run_loss(fm, th, bu, x, y, cx)
+        loss, new_bu = loss_fn(fm, th, bu, x, y, cx)
         return loss, (loss.detach(), new_bu)
 
     mask = None if trainable is None else trainable.to(device=theta.device, dtype=theta.dtype)
     # per client: the parameters kept outside the backward pass (None: none, or masked after)
-    per_param = takes_per_parameter(loss_fn) and run_loss is loss_fn
+    per_param = takes_per_parameter(loss_fn)
     frozen: list[tuple[bool, ...] | None] = [None] * theta.shape[0]
     if trainable is not None and per_param:
         frozen = frozen_parameters(fm, trainable)
@@ -355,69 +349,6 @@ def _handed_back(
     if rule_state is not None:
         rule_state.update(out[3])
     return out[0], out[1], out[2]
-
-
-# local.compile = "auto": zoo models whose torch.compile'd step (inductor, CPU) measured
-# faster than the eager client-loop step, with the speed-up measured. None so far: `hyperfed
-# bench --models lenet,mlp --compile --shape 1,28,28 --classes 10 --device cpu` (2-core CPU
-# under load, 1 thread, torch 2.13, batch 64): LeNet 0.38x (compile 23 s), MLP 0.87x (16 s);
-# a separate probe of LeNet's step, 0.54x-0.64x. Add a model here only with a measured gain.
-COMPILE_AUTO: dict[str, float] = {}
-COMPILE_STATS = {"compiled": 0, "failed": 0}  # read by `hyperfed bench`
-_COMPILED: weakref.WeakKeyDictionary[FunctionalModel, Callable | None] = weakref.WeakKeyDictionary()
-
-
-def use_compile(sgd: SGDConfig, fm: FunctionalModel, theta: Tensor) -> bool:
-    """Whether the client loop runs ``fm``'s step compiled (``local.compile``)."""
-    if sgd.compile == "on":
-        return True
-    return sgd.compile == "auto" and theta.device.type == "cpu" and fm.name in COMPILE_AUTO
-
-
-def compiled_loss(fm: FunctionalModel) -> LossFn | None:
-    """:func:`cross_entropy_loss` of ``fm``, compiled once per model object, so across rounds
-    and the clients of one architecture (AOTAutograd compiles the backward with it; the SGD
-    update stays the eager in-place one). ``None`` when torch.compile fails here: the caller
-    then runs the eager step (one debug log line)."""
-    if fm in _COMPILED:
-        return _COMPILED[fm]
-
-    def loss(fm: FunctionalModel, th: Tensor, bu: Tensor, x: Tensor, y: Tensor) -> tuple:
-        return cross_entropy_loss(fm, th, bu, x, y, {})
-
-    # a code object of its own per model: dynamo caches compiled graphs per code object, up
-    # to its recompile limit, and several architectures would otherwise share one
-    loss.__code__ = loss.__code__.replace(co_name=f"hyperfed_step_{len(_COMPILED)}")
-    try:
-        fn = torch.compile(loss, dynamic=False)
-    except Exception as e:  # noqa: BLE001 -- any failure means: run eagerly
-        _compile_failed(fm, e)
-        return None
-    state = {"first": True, "failed": False}
-
-    def run(fm: FunctionalModel, th: Tensor, bu: Tensor, x: Tensor, y: Tensor, cx: dict) -> tuple:
-        if state["failed"]:  # this call's remaining steps; later calls do not come here
-            return cross_entropy_loss(fm, th, bu, x, y, cx)
-        if not state["first"]:
-            return fn(fm, th, bu, x, y)
-        try:  # inductor compiles at the first call
-            out = fn(fm, th, bu, x, y)
-        except Exception as e:  # noqa: BLE001
-            state["failed"] = True
-            _compile_failed(fm, e)
-            return cross_entropy_loss(fm, th, bu, x, y, cx)
-        state["first"] = False
-        COMPILE_STATS["compiled"] += 1
-        return out
-
-    _COMPILED[fm] = run
-    return run
-
-
-def _compile_failed(fm: FunctionalModel, e: Exception) -> None:
-    log.debug("torch.compile of the %s step failed (%s); running it eagerly", fm.name, e)
-    COMPILE_STATS["failed"] += 1
-    _COMPILED[fm] = None
 
 
 def one_client_step(step_loss: Callable) -> Callable:

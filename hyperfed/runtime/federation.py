@@ -81,7 +81,6 @@ def resolve_sgd(cfg: ExperimentConfig, algorithm_defaults: dict[str, Any]) -> SG
     return SGDConfig(
         batch_size=cfg.local.batch_size,
         cuda_graphs=cfg.local.cuda_graphs,
-        compile=cfg.local.compile,
         **values,
     )
 
