@@ -51,6 +51,7 @@ from hyperfed.runtime.parallel import (
     registered_here,
     resolve_workers,
     run_chunk,
+    start_fork_server,
     stochastic_models,
 )
 from hyperfed.runtime.poison import UPDATE_ATTACKS, Poisoning, flip_labels, lie_about_counts
@@ -189,6 +190,9 @@ class Simulation:
         self.device, self.algorithm, self.hp, self.sgd = fed.device, fed.algorithm, fed.hp, fed.sgd
         self.arch_of, self.groups = fed.arch_of, fed.groups
         self.vectorize, self.reference, self.nhwc = fed.vectorize, fed.reference, fed.nhwc
+        per_round = max(1, round(cfg.participation * cfg.clients.count))
+        if resolve_workers(cfg.local.workers, fed.device, per_round) > 1:
+            start_fork_server()  # its imports overlap the data loading below
         data = fed.load_data() if data is None else data
         # the poisoning harness ([attack], runtime/poison.py): who attacks, and how
         attack = cfg.attack
@@ -229,7 +233,6 @@ class Simulation:
         self.gossip = self.driver.gossip
         self.bytes_join = sum(payload_bytes(p) for p in self.joins.values())
         self.driver.totals["bytes_up"] += self.bytes_join
-        per_round = max(1, round(cfg.participation * cfg.clients.count))
         workers = resolve_workers(cfg.local.workers, self.device, per_round)
         if workers > 1 and stochastic_models(self.models, cfg.local.workers, self.vectorize):
             workers = 1
