@@ -96,14 +96,12 @@ def test_flower_builds_the_simulators_initial_state(
     joins = {}
     for cid in range(n):  # one node after another, as separate processes would run them
         torch.manual_seed(1000 + cid)  # its own process
-        node = flower.ClientRuntime.build(cfg, cid, n)
-        joins[cid] = node.join()
+        node = flower.ClientRuntime.build(cfg, [cid], n)
+        joins[cid] = node.joins()[cid]
         assert (d := _same(sim.joins[cid], joins[cid], f"join {cid}")) is None, d
         context = Context(1, cid, {}, RecordDict(), {})  # a fresh node's
-        stored = node.load_state(context)  # its state on the first message
-        assert (
-            d := _same(sim.store[cid], {k: v[0] for k, v in stored.items()}, f"client {cid}")
-        ) is None, d
+        stored = node.load_states(context, [cid])[cid]  # its state on the first message
+        assert (d := _same(sim.store[cid], stored, f"client {cid}")) is None, d
     deployment = flower.Deployment(None, {**experiment_run_config(cfg), RC_RUN_DIR: str(tmp_path)})
     torch.manual_seed(12345)  # the server's process ran other things before
     server = deployment.build_server(joins)

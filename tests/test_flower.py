@@ -182,31 +182,35 @@ def test_mh_pfedhn_client_sends_its_size_at_join_and_only_its_update_after_fit(c
 
     reply = fl.client_app(_message(RecordDict(), fl.JOIN, ctx.node_id), ctx)
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
-    assert set(reply.content.array_records) == {fl.PAYLOAD}
-    assert set(reply.content.metric_records) == set()
-    assert {k: dict(v) for k, v in reply.content.config_records.items()} == {
-        fl.NODE: {"partition-id": cid}
+    # a group message of one client: its join payload and an empty metrics record
+    answer = fl.unbundle(reply.content)
+    assert set(answer.array_records) == {fl.client_key(fl.PAYLOAD, cid)}
+    assert {k: dict(v) for k, v in answer.metric_records.items()} == {
+        fl.client_key(fl.METRICS, cid): {}
     }
-    join = fl.record_to_payload(reply.content)
+    assert {k: dict(v) for k, v in answer.config_records.items()} == {
+        fl.NODE: {"partition-ids": [cid]}
+    }
+    join = fl.record_to_payload(fl.client_parts(reply.content, [cid])[cid])
     assert set(join) == {"num_params", "num_samples"}  # Client.join: no architecture
     assert int(join["num_params"]) == fm.num_params
     assert int(join["num_samples"]) == sim.data.train_sizes[cid]
 
     msg = sim.server.configure_train(1, [cid])[cid]
-    content = fl.payload_to_record(msg)
-    content[fl.CONFIG] = ConfigRecord({"round": 1, "client-id": cid})
+    config = ConfigRecord({"round": 1, "client-ids": [cid]})
+    content = fl.group_message({cid: fl.payload_to_record(msg)}, {fl.CONFIG: config})
     reply = fl.client_app(_message(content, fl.TRAIN, ctx.node_id), ctx)
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
-    update = fl.record_to_payload(reply.content)
+    answer = fl.unbundle(reply.content)
+    assert set(answer) == {fl.client_key(fl.PAYLOAD, cid), fl.client_key(fl.METRICS, cid)}
+    part = fl.client_parts(reply.content, [cid])[cid]
+    update = fl.record_to_payload(part)
     assert set(update) == {"delta"}  # only Delta theta_i crosses
     assert update["delta"].shape == (fm.num_params,)
-    assert set(reply.content.config_records) == set()
-    assert {k: set(v) for k, v in reply.content.metric_records.items()} == {
-        fl.METRICS: {"train_loss", "train_flops"}
-    }
+    assert set(part[fl.METRICS]) == {"train_loss", "train_flops"}
     assert sim.server.check_reply(cid, update) is None
     # the client state (BatchNorm statistics) stays on the node, in context.state
-    assert fl.STATE in ctx.state.array_records
+    assert f"{fl.STATE}.{cid}" in ctx.state.array_records
 
     # the same update as the simulator computes for this client
     group = sim.group(sim.arch_of[cid], [cid], 1)
@@ -420,14 +424,14 @@ def test_a_resumed_run_gives_each_node_its_state_of_the_checkpoint_round(tmp_pat
     msg = Simulation(cfg).server.configure_train(1, [0])[0]  # the server's body
     states = {}
     for rnd in (1, 2, 3):  # the server checkpointed round 2, then died in round 3
-        rt.fit(rnd, msg, ctx, checkpoint=2 if rnd == 3 else 0)
-        states[rnd] = rt.load_state(ctx)
+        rt.fit(rnd, {0: msg}, ctx, checkpoint=2 if rnd == 3 else 0)
+        states[rnd] = rt.load_states(ctx, [0])[0]
     assert not torch.equal(states[2]["head"], states[3]["head"])
 
     fl._RUNTIMES.clear()  # the restarted run: a new run id, an empty context
     again = _state_context(cfg, 0, run_id=2, run_dir="r")
     rt2 = fl._runtime(again)
-    got = rt2.load_state(again, checkpoint=2)
+    got = rt2.load_states(again, [0], checkpoint=2)[0]
     assert set(got) == set(states[2])
     assert all(torch.equal(got[k], states[2][k]) for k in got)
     assert not rt2.lost
@@ -439,15 +443,16 @@ def test_a_resumed_run_gives_each_node_its_state_of_the_checkpoint_round(tmp_pat
     shutil.rmtree(tmp_path / "state")
     lost = _state_context(cfg, 0, run_id=3, run_dir="r")
     rt3 = fl._runtime(lost)
-    _, metrics = rt3.fit(3, msg, lost, checkpoint=2)
-    assert metrics["state_lost"] == 1.0
+    _, metrics = rt3.fit(3, {0: msg}, lost, checkpoint=2)
+    assert metrics[0]["state_lost"] == 1.0
     # a fresh (not resumed) run in the same place never reads an earlier run's files
     fl._RUNTIMES.clear()
     fresh = _state_context(cfg, 0, run_id=4, run_dir="r")
     rt4 = fl._runtime(fresh)
-    init = rt4.client.init_state(rt4.fm, 1)
-    assert all(torch.equal(rt4.load_state(fresh, checkpoint=0)[k], init[k]) for k in init)
-    folder = rt4.state_dir(fresh)
+    init = rt4.client.init_state(rt4.fms[rt4.federation.arch_of[0]], 1)
+    first = rt4.load_states(fresh, [0], checkpoint=0)[0]
+    assert all(torch.equal(first[k], init[k][0]) for k in init)
+    folder = rt4.state_dir(fresh, 0)
     assert folder is not None and sorted(f.name for f in folder.iterdir()) == ["r0.pt"]
 
 

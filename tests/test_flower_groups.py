@@ -199,7 +199,7 @@ class InProcessGrid:
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Grid.push_messages
             config = msg.content.config_records.get(fl.CONFIG, ConfigRecord())
-            ids_ = config.get("client-ids", [config["client-id"]] if "client-id" in config else [])
+            ids_ = config.get("client-ids", [])
             self.sent.append((msg.metadata.dst_node_id, msg.metadata.message_type, list(ids_)))
             reply = fl.client_app(msg, self.contexts[msg.metadata.dst_node_id])
             if "client-ids" in config:
@@ -267,8 +267,7 @@ def _node_states_are_the_simulators(grid: InProcessGrid, deployment, sim: Simula
     for node, cids in deployment.clients_of.items():
         records = grid.contexts[node].state.array_records
         for c in cids:
-            key = f"{fl.STATE}.{c}" if node in deployment.grouped else fl.STATE
-            got = fl._state_from_record(records[key], torch.device("cpu"))
+            got = fl._state_from_record(records[f"{fl.STATE}.{c}"], torch.device("cpu"))
             torch.testing.assert_close(got, sim.store[c], rtol=1e-5, atol=1e-6)
 
 
@@ -333,7 +332,7 @@ def test_two_nodes_of_two_fedper_clients_give_the_simulators_metrics_and_bytes(
 
 def test_a_node_of_two_architectures_beside_a_one_client_node(tmp_path):
     """MH-pFedHN, LeNet and MLP clients: node 21 serves clients of both architectures (one
-    engine group each), node 22 one client in the one-client format."""
+    engine group each), node 22 one client (a group of one: the same message format)."""
     cfg = load_config(None, [*BASE, "algorithm.name=mh_pfedhn", 'clients.models=["lenet","mlp"]'])
     sim = Simulation(cfg)
     serves = [0, 1, 2]
@@ -345,8 +344,9 @@ def test_a_node_of_two_architectures_beside_a_one_client_node(tmp_path):
     records, grid, deployment = _run_in_process(cfg, tmp_path, nodes)
     sim = _same_as_simulator(cfg, records, tmp_path / "run")
     _node_states_are_the_simulators(grid, deployment, sim)
-    assert deployment.grouped == {21} and deployment.clients_of == {21: serves, 22: [3]}
+    assert deployment.clients_of == {21: serves, 22: [3]}
     _only_own_clients(grid, deployment)
+    assert grid.bundled and all(down and up for down, up in grid.bundled)  # node 22's too
     final = records[-1]
     assert final["flops_round"] == Simulation(cfg).run_round(2).flops > 0  # reported once
 
@@ -411,6 +411,11 @@ def test_a_node_refuses_a_message_for_a_client_it_does_not_serve():
     msg = Message(content, 9, fl.TRAIN)
     msg.metadata.__dict__["_message_id"] = "m" * 64
     with pytest.raises(ConfigError, match=r"clients \[1, 2\]; this node serves \[0, 1\]"):
+        fl.client_app(msg, ctx)
+    # a message that names no clients (not the group format): refused too, in one line
+    msg = Message(RecordDict({fl.CONFIG: ConfigRecord({"round": 1})}), 9, fl.TRAIN)
+    msg.metadata.__dict__["_message_id"] = "m" * 64
+    with pytest.raises(ConfigError, match=r"naming no clients .* clients \[0, 1\]"):
         fl.client_app(msg, ctx)
     fl._RUNTIMES.clear()
 

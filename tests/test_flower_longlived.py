@@ -77,9 +77,9 @@ def test_the_client_is_built_once_per_run_and_rebuilt_for_a_new_run(cfg, tmp_pat
     msg = Simulation(cfg).server.configure_train(1, [1])[1]
     for rnd in (1, 2, 3):
         assert fl._runtime(ctx) is first
-        first.fit(rnd, msg, ctx)
+        first.fit(rnd, {1: msg}, ctx)
     assert [(b["run"], b["client"]) for b in _builds(log)] == [(7, 1)]
-    assert fl.STATE in ctx.state.array_records  # the state is the context's, not the cache's
+    assert f"{fl.STATE}.1" in ctx.state.array_records  # the context's state, not the cache's
 
     other = fl._runtime(_context(cfg, 1, run_id=8))
     assert other is not first
@@ -96,12 +96,13 @@ def test_the_cached_client_trains_as_a_fresh_one_would(cfg):
     msg = Simulation(cfg).server.configure_train(1, [0])[0]
     ctx = _context(cfg, 0, run_id=11)
     cached = fl._runtime(ctx)
-    cached.fit(1, msg, ctx)
-    state_after_1 = RecordDict({fl.STATE: ctx.state.array_records[fl.STATE]})
+    cached.fit(1, {0: msg}, ctx)
+    key = f"{fl.STATE}.0"
+    state_after_1 = RecordDict({key: ctx.state.array_records[key]})
     fresh_ctx = _context(cfg, 0, run_id=12, state=state_after_1)
-    got, _ = cached.fit(2, msg, ctx)
+    got = cached.fit(2, {0: msg}, ctx)[0][0]
     fl._RUNTIMES.clear()
-    want, _ = fl._runtime(fresh_ctx).fit(2, msg, fresh_ctx)
+    want = fl._runtime(fresh_ctx).fit(2, {0: msg}, fresh_ctx)[0][0]
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in got)
 

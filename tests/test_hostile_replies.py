@@ -333,6 +333,7 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
     cannot be decoded in round 1, a 1e12-norm model in round 2, and 50x its test size as
     correct. The run completes; each is a logged rejection and the honest clients' metrics are
     untouched by them."""
+    import numpy as np
     from test_flower_groups import InProcessGrid
 
     from hyperfed.deploy import flower as fl
@@ -344,24 +345,33 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
             ids = super().push_messages(messages)
             for msg, mid in zip(messages, ids, strict=True):
                 node, kind = msg.metadata.dst_node_id, msg.metadata.message_type
-                reply = self.replies[mid].content
+                reply = self.replies[mid]
+                # node n serves client n - 11: its reply is a group message of that one client
+                cid = node - 11
+                whole = fl.unbundle(reply.content)
+                payload, metrics = fl.client_key(fl.PAYLOAD, cid), fl.client_key(fl.METRICS, cid)
                 rnd = msg.content.config_records.get(fl.CONFIG, {}).get("round")
                 if kind == fl.JOIN and node == 15:
-                    reply[fl.PAYLOAD] = _garbage_record()
-                elif kind == fl.JOIN and node == 13:
-                    forged = fl.record_to_payload(reply)
+                    reply.content[fl.BUNDLED_ARRAYS] = _garbage_record()
+                    continue
+                if kind == fl.JOIN and node == 13:
+                    forged = fl.record_to_payload(fl.client_view(whole, cid))
                     forged["num_samples"] = torch.tensor(2**62)
-                    reply[fl.PAYLOAD] = fl.pack_tensors(forged)
+                    whole[payload] = fl.pack_tensors(forged)
                 elif kind == fl.TRAIN and node == 14 and rnd == 1:
-                    reply[fl.PAYLOAD] = _garbage_record()
-                elif kind == fl.TRAIN and node == 14:
-                    theta = fl.record_to_payload(reply)["theta"]
-                    reply[fl.PAYLOAD] = fl.pack_tensors(
-                        {"theta": theta + 1e12 / theta.numel() ** 0.5}
+                    # a layout of 400 floats over 16 bytes: this client's record cannot be read
+                    whole[payload] = fl._packed(
+                        np.zeros(16, np.uint8), [["theta", "float32", [400]]]
                     )
+                elif kind == fl.TRAIN and node == 14:
+                    theta = fl.record_to_payload(fl.client_view(whole, cid))["theta"]
+                    whole[payload] = fl.pack_tensors({"theta": theta + 1e12 / theta.numel() ** 0.5})
                 elif kind == fl.EVALUATE and node == 14:
-                    m = reply[fl.METRICS]
-                    reply[fl.METRICS] = flwr_app.MetricRecord({**m, "correct": 50 * m["total"]})
+                    m = whole[metrics]
+                    whole[metrics] = flwr_app.MetricRecord({**m, "correct": 50 * m["total"]})
+                else:
+                    continue
+                reply.content = fl.bundle(whole)
             return ids
 
     cfg = load_config(

@@ -2,19 +2,22 @@
 
 The algorithm files are untouched: the server role and the client role exchange the same
 payloads (dicts of named tensors) as in the simulator, serialized into Flower records
-(:func:`payload_to_record` / :func:`record_to_payload`, exact round trip). A run is
+(:func:`payload_to_record` / :func:`record_to_payload`, exact round trip).
 
-1. ``query.join``  -> every node answers its client's ``Client.join`` payload and the
-   partition id it serves (its node config ``partition-id``); nothing else about it. A node
-   may serve several clients (node config ``partition-ids``, e.g. "0-9"; or a simulated
-   node's group of the run's ``clients-per-node``): it answers their ids and one join
-   payload each, and the server sends it messages for those clients only;
+Every message to a node and every reply is one *group message* for the clients it serves
+(one client is a group of one): config ``client-ids`` names them, each client's records stand
+under ``<name>.<client id>`` (``payload.3``, ``metrics.3``), bundled into a few records
+(:func:`group_message` / :func:`client_parts`). A run is
+
+1. ``query.join``  -> every node answers the partition ids it serves (node config
+   ``partition-id``, or ``partition-ids``, e.g. "0-9"; or a simulated node's group of the
+   run's ``clients-per-node``) and each one's ``Client.join`` payload; nothing else about
+   them. The server sends it messages for those clients only;
 2. ``query.setup`` -> setup stages, for algorithms that have one (MH-pFedHNDD);
-3. per round: ``train`` -> one message per sampled node holding *that* client's payload
-   (for MH-pFedHN its own theta_i; a node of several clients: each sampled client's payload
-   under ``payload.<client id>``, trained there as one engine group per architecture),
-   ``Grid.send_and_receive`` with a timeout, carrying on with the replies that came back and
-   passed ``Server.check_reply``;
+3. per round: ``train`` -> one message per sampled node holding its sampled clients'
+   payloads (for MH-pFedHN each one's own theta_i), trained there as one engine group per
+   architecture; ``Grid.send_and_receive`` with a timeout, carrying on with the replies that
+   came back and passed ``Server.check_reply``;
 4. every ``eval_every`` rounds and at the end: ``evaluate`` -> each client's personalized
    model on its own test split; the server writes ``metrics.jsonl`` / ``summary.md`` into
    the run directory as the simulator does.
@@ -209,14 +212,15 @@ def record_to_payload(content: RecordDict, device: torch.device | str = "cpu") -
     return unpack_tensors(content.array_records[PAYLOAD], device)
 
 
-# A message for several clients of one node (config ``client-ids``) holds each client's
-# records (payload, dtypes, weights, metrics) under ``<name>.<client id>``.
+# Every message to or from a node is a group message (one client is a group of one): config
+# ``client-ids`` names its clients, and each client's records (payload, weights, metrics) stand
+# under ``<name>.<client id>``.
 def client_key(name: str, cid: int) -> str:
     return f"{name}.{cid}"
 
 
 def client_view(content: RecordDict, cid: int) -> RecordDict:
-    """Client ``cid``'s records of a group message, under their one-client names."""
+    """Client ``cid``'s records of a group message, under their own names."""
     suffix = f".{cid}"
     return RecordDict({k.removesuffix(suffix): v for k, v in content.items() if k.endswith(suffix)})
 
@@ -249,9 +253,10 @@ def bundle(content: RecordDict) -> RecordDict:
             values.update({f"{name}/{k}": v for k, v in rec.items()})
         else:
             out[name] = rec
-    joined = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
-    out[BUNDLED_ARRAYS] = _packed(joined, layout)
-    out[BUNDLED_METRICS] = MetricRecord(values)
+    if parts:  # a message of no tensors (an evaluation request) sends no bytes record
+        out[BUNDLED_ARRAYS] = _packed(np.concatenate(parts), layout)
+    if values:
+        out[BUNDLED_METRICS] = MetricRecord(values)
     out[BUNDLE_INDEX] = ConfigRecord(index)  # type: ignore[arg-type]
     return out
 
@@ -263,7 +268,10 @@ def unbundle(content: RecordDict) -> RecordDict:
         return content
     index = content.config_records[BUNDLE_INDEX]
     out = RecordDict({k: v for k, v in content.items() if not k.startswith("hyperfed.")})
-    data, layout = _unpacked(content.array_records[BUNDLED_ARRAYS])
+    data: np.ndarray = np.zeros(0, dtype=np.uint8)
+    layout: list[list[Any]] = []
+    if BUNDLED_ARRAYS in content.array_records:
+        data, layout = _unpacked(content.array_records[BUNDLED_ARRAYS])
     spans: dict[str, list[int]] = {str(n): [0, 0] for n in index["arrays"]}  # type: ignore[union-attr]
     entries: dict[str, list[list[Any]]] = {name: [] for name in spans}
     offset = 0
@@ -275,7 +283,7 @@ def unbundle(content: RecordDict) -> RecordDict:
         offset += _nbytes(dtype, shape)
         spans[name][1] = offset
     values: dict[str, dict[str, Any]] = {str(n): {} for n in index["metrics"]}  # type: ignore[union-attr]
-    for key, v in content.metric_records[BUNDLED_METRICS].items():
+    for key, v in content.metric_records.get(BUNDLED_METRICS, {}).items():
         name, _, sub = key.partition("/")
         values[name][sub] = v
     for name, (start, end) in spans.items():
@@ -283,6 +291,25 @@ def unbundle(content: RecordDict) -> RecordDict:
     for name, metrics in values.items():
         out[name] = MetricRecord(metrics)
     return out
+
+
+def group_message(parts: Mapping[int, RecordDict], shared: Mapping[str, Any]) -> RecordDict:
+    """A group message's content, bundled: each client's records (``parts``, by client id)
+    under ``<name>.<client id>``, the ``shared`` records under their names."""
+    content = RecordDict()
+    for cid, part in parts.items():
+        for name, record in part.items():
+            content[client_key(name, cid)] = record
+    for name, record in shared.items():
+        content[name] = record
+    return bundle(content)
+
+
+def client_parts(content: RecordDict, cids: Sequence[int]) -> dict[int, RecordDict]:
+    """Inverse of :func:`group_message`: each client's records, under their own names (empty
+    for a client the message holds nothing for)."""
+    whole = unbundle(content)
+    return {cid: client_view(whole, cid) for cid in cids}
 
 
 def _state_record(state: dict[str, Tensor]) -> ArrayRecord:
@@ -349,8 +376,8 @@ def node_clients(
 
 @dataclass
 class ClientRuntime:
-    """The clients a node serves (the simulator's clients ``cids``): one, or a group trained
-    as the simulator trains them, one engine group per architecture
+    """The clients a node serves (the simulator's clients ``cids``; one client is a group of
+    one), trained as the simulator trains them, one engine group per architecture
     (:meth:`Federation.group`), from the simulator's initial state."""
 
     cfg: ExperimentConfig
@@ -364,14 +391,14 @@ class ClientRuntime:
 
     @classmethod
     def build(
-        cls, cfg: ExperimentConfig, cid: int | Sequence[int], num_partitions: int
+        cls, cfg: ExperimentConfig, cids: Sequence[int], num_partitions: int
     ) -> ClientRuntime:
         if num_partitions != cfg.clients.count:
             raise ConfigError(
                 f"node config num-partitions={num_partitions} but clients.count="
                 f"{cfg.clients.count}: every node must split the data as the config does"
             )
-        cids = [cid] if isinstance(cid, int) else sorted(cid)
+        cids = sorted(cids)
         for c in cids:
             if not 0 <= c < cfg.clients.count:
                 raise ConfigError(f"node config partition-id={c} not in [0, {cfg.clients.count})")
@@ -382,20 +409,6 @@ class ClientRuntime:
         fms = fed.models(data.input_shape, data.num_classes, only=archs)
         client = fed.client_role(data.input_shape, data.num_classes)
         return cls(cfg, cids, data, fms, client, fed)
-
-    @property
-    def cid(self) -> int:
-        """The client of a node that serves one."""
-        if len(self.cids) != 1:
-            raise ValueError(f"this node serves clients {self.cids}, not one")
-        return self.cids[0]
-
-    @property
-    def fm(self) -> FunctionalModel:
-        """The model of a node whose clients share one architecture."""
-        if len(self.fms) != 1:
-            raise ValueError(f"this node's clients have architectures {sorted(self.fms)}")
-        return next(iter(self.fms.values()))
 
     @property
     def device(self) -> torch.device:
@@ -428,9 +441,6 @@ class ClientRuntime:
             for c in self.cids
         }
 
-    def join(self) -> Payload:
-        return self.joins()[self.cid]
-
     # -- persistent state ------------------------------------------------------------------
     # Within a run each client's state lives in ``context.state`` (one record per client).
     # A resumable run (checkpoint_every set) also keeps it on the node's disk, one file per
@@ -438,10 +448,11 @@ class ClientRuntime:
     # continues from the server's last checkpoint C: the node loads its newest file of a
     # round <= C. Files are pruned to that one and the ones after C. A client whose files are
     # gone starts again from its initial state and says so (``state_lost``; the server logs it).
-    def state_key(self, cid: int) -> str:
-        return STATE if len(self.cids) == 1 else f"{STATE}.{cid}"
+    @staticmethod
+    def state_key(cid: int) -> str:
+        return f"{STATE}.{cid}"
 
-    def state_dir(self, context: Context, cid: int | None = None) -> Path | None:
+    def state_dir(self, context: Context, cid: int) -> Path | None:
         if self.cfg.checkpoint_every is None:
             return None
         root = os.environ.get(STATE_DIR_ENV) or str(Path(get_flwr_home()) / "hyperfed-state")
@@ -449,7 +460,7 @@ class ClientRuntime:
         if run_dir not in self.run_keys:  # hashed once, not on every message
             text = run_dir + to_toml(self.cfg)
             self.run_keys[run_dir] = hashlib.sha256(text.encode()).hexdigest()[:16]
-        return Path(root) / self.run_keys[run_dir] / f"client-{self.cid if cid is None else cid}"
+        return Path(root) / self.run_keys[run_dir] / f"client-{cid}"
 
     @staticmethod
     def _saved(folder: Path) -> dict[int, Path]:
@@ -498,10 +509,6 @@ class ClientRuntime:
         context.state[self.state_key(cid)] = _state_record(one)
         return one
 
-    def load_state(self, context: Context, checkpoint: int = 0) -> dict[str, Tensor]:
-        """The state of a one-client node, stacked."""
-        return stack_payloads([self.load_states(context, [self.cid], checkpoint)[self.cid]])
-
     def save_states(
         self, context: Context, states: dict[int, dict[str, Tensor]], rnd: int, checkpoint: int
     ) -> None:
@@ -522,7 +529,7 @@ class ClientRuntime:
                     f.unlink(missing_ok=True)
 
     # -- the messages, for any of its clients (one ClientHost call each) ----------------------
-    def fit_many(
+    def fit(
         self, rnd: int, msgs: dict[int, Payload], context: Context, checkpoint: int = 0
     ) -> tuple[dict[int, Payload], dict[int, dict[str, float]]]:
         """Local training of these clients, one engine group per architecture (as the
@@ -537,19 +544,13 @@ class ClientRuntime:
         metrics[min(metrics)]["train_flops"] = float(got.flops)
         return got.replies, self._lost(metrics)
 
-    def fit(
-        self, rnd: int, msg: Payload, context: Context, checkpoint: int = 0
-    ) -> tuple[Payload, dict[str, float]]:
-        replies, metrics = self.fit_many(rnd, {self.cid: msg}, context, checkpoint)
-        return replies[self.cid], metrics[self.cid]
-
     def _lost(self, metrics: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
         for c in sorted(self.lost & set(metrics)):
             metrics[c]["state_lost"] = 1.0
             self.lost.discard(c)
         return metrics
 
-    def mix_many(
+    def mix(
         self,
         rnd: int,
         neighbours: dict[int, Payload],
@@ -566,7 +567,7 @@ class ClientRuntime:
         }
         self.host.mix(rnd, mixed, NodeStates(self, context, rnd, checkpoint))
 
-    def setup_many(
+    def setup(
         self, stage: int, msgs: dict[int, Payload], context: Context, checkpoint: int = 0
     ) -> tuple[dict[int, Payload], dict[int, dict[str, float]]]:
         got = self.host.setup(stage, msgs, NodeStates(self, context, 0, checkpoint))
@@ -577,7 +578,7 @@ class ClientRuntime:
         }
         return got.replies, stats
 
-    def evaluate_many(
+    def evaluate(
         self, msgs: dict[int, Payload], context: Context, split: str = "test", checkpoint: int = 0
     ) -> dict[int, dict[str, float]]:
         if split not in ("test", "val"):
@@ -646,71 +647,48 @@ def _int(value: Any) -> int:
     return int(value)
 
 
-def _reply(msg: Message, payload: Payload | None, **records: Any) -> Message:
-    content = payload_to_record(payload) if payload is not None else RecordDict()
-    for name, record in records.items():
-        content[name] = record
-    return Message(content, reply_to=msg)
-
-
-def _addressed(msg: Message, rt: ClientRuntime) -> list[int] | None:
-    """The clients a group message is for (config ``client-ids``; all served by this node),
-    or None for a one-client message (the node's client)."""
+def _request(msg: Message, rt: ClientRuntime) -> dict[int, RecordDict]:
+    """Each client's records of a message, by client id: the clients its config names
+    (``client-ids``), all served by this node."""
     config: Mapping[str, Any] = msg.content.config_records.get(CONFIG, {})
     if "client-ids" not in config:
-        if len(rt.cids) != 1:
-            raise ConfigError(f"a one-client message to a node serving clients {rt.cids}")
-        return None
+        raise ConfigError(
+            f"a message naming no clients (config client-ids) to the node of clients {rt.cids}: "
+            "run the same hyperfed version on the server and every node"
+        )
     cids = [_int(c) for c in config["client-ids"]]
     stray = sorted(set(cids) - set(rt.cids))
     if stray or len(set(cids)) != len(cids):
         raise ConfigError(f"message for clients {cids}; this node serves {rt.cids}")
-    return cids
+    return client_parts(msg.content, cids)
 
 
-def _payloads(msg: Message, rt: ClientRuntime, cids: list[int] | None) -> dict[int, Payload]:
-    if cids is None:
-        return {rt.cid: record_to_payload(msg.content, rt.device)}
-    content = unbundle(msg.content)
-    return {c: record_to_payload(client_view(content, c), rt.device) for c in cids}
+def _payloads(parts: dict[int, RecordDict], rt: ClientRuntime) -> dict[int, Payload]:
+    return {c: record_to_payload(part, rt.device) for c, part in parts.items()}
 
 
 def _answer(
     msg: Message,
-    rt: ClientRuntime,
-    cids: list[int] | None,
+    cids: Sequence[int],
     replies: dict[int, Payload] | None,
     metrics: dict[int, dict[str, float]] | None,
-    **records: Any,
+    **shared: Any,
 ) -> Message:
-    """The reply: a one-client message as before; a group message with each client's
-    records under ``<name>.<client id>``."""
-    if cids is None:
-        if metrics is not None:
-            records[METRICS] = MetricRecord(dict(metrics[rt.cid]))
-        return _reply(msg, None if replies is None else replies[rt.cid], **records)
-    content = RecordDict()
+    """The reply: each client's payload and metrics (always a metrics record: it says the node
+    answered for this client), as one group message."""
+    parts = {}
     for c in cids:
-        if replies is not None:
-            for name, rec in payload_to_record(replies[c]).items():
-                content[client_key(name, c)] = rec
-        # always a metrics record: it says the node answered for this client
-        content[client_key(METRICS, c)] = MetricRecord(
-            dict(metrics[c]) if metrics is not None else {}
-        )
-    for name, record in records.items():
-        content[name] = record
-    return Message(bundle(content), reply_to=msg)
+        part = payload_to_record(replies[c]) if replies is not None else RecordDict()
+        part[METRICS] = MetricRecord(dict(metrics[c]) if metrics is not None else {})
+        parts[c] = part
+    return Message(group_message(parts, shared), reply_to=msg)
 
 
 @client_app.query("join")
 def _client_join(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
-    if len(rt.cids) == 1:
-        return _reply(msg, rt.join(), **{NODE: ConfigRecord({"partition-id": rt.cid})})
-    return _answer(
-        msg, rt, rt.cids, rt.joins(), None, **{NODE: ConfigRecord({"partition-ids": rt.cids})}
-    )
+    served = ConfigRecord({PARTITION_IDS: rt.cids})
+    return _answer(msg, rt.cids, rt.joins(), None, **{NODE: served})
 
 
 def _checkpoint(msg: Message) -> int:
@@ -721,46 +699,38 @@ def _checkpoint(msg: Message) -> int:
 @client_app.query("setup")
 def _client_setup(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
-    cids = _addressed(msg, rt)
+    parts = _request(msg, rt)
     stage = _int(msg.content.config_records[CONFIG]["stage"])
-    payloads = _payloads(msg, rt, cids)
-    replies, stats = rt.setup_many(stage, payloads, context, _checkpoint(msg))
-    return _answer(msg, rt, cids, replies, stats)
+    replies, stats = rt.setup(stage, _payloads(parts, rt), context, _checkpoint(msg))
+    return _answer(msg, list(parts), replies, stats)
 
 
 @client_app.train()
 def _client_train(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
-    cids = _addressed(msg, rt)
+    parts = _request(msg, rt)
     rnd = _int(msg.content.config_records[CONFIG]["round"])
-    payloads = _payloads(msg, rt, cids)
-    replies, metrics = rt.fit_many(rnd, payloads, context, _checkpoint(msg))
-    return _answer(msg, rt, cids, replies, metrics)
+    replies, metrics = rt.fit(rnd, _payloads(parts, rt), context, _checkpoint(msg))
+    return _answer(msg, list(parts), replies, metrics)
 
 
 @client_app.query("gossip")
 def _client_gossip(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
-    cids = _addressed(msg, rt)
+    parts = _request(msg, rt)
     rnd = _int(msg.content.config_records[CONFIG]["round"])
-    neighbours = _payloads(msg, rt, cids)
-    weights = {}
-    content = msg.content if cids is None else unbundle(msg.content)
-    for c in neighbours:
-        view = content if cids is None else client_view(content, c)
-        weights[c] = unpack_tensors(view.array_records[WEIGHTS])["w"]
-    rt.mix_many(rnd, neighbours, weights, context, _checkpoint(msg))
-    return _answer(msg, rt, cids, None, None)
+    weights = {c: unpack_tensors(part.array_records[WEIGHTS])["w"] for c, part in parts.items()}
+    rt.mix(rnd, _payloads(parts, rt), weights, context, _checkpoint(msg))
+    return _answer(msg, list(parts), None, None)
 
 
 @client_app.evaluate()
 def _client_evaluate(msg: Message, context: Context) -> Message:
     rt = _runtime(context)
-    cids = _addressed(msg, rt)
+    parts = _request(msg, rt)
     split = str(msg.content.config_records[CONFIG].get("split", "test"))
-    payloads = _payloads(msg, rt, cids)
-    metrics = rt.evaluate_many(payloads, context, split, _checkpoint(msg))
-    return _answer(msg, rt, cids, None, metrics)
+    metrics = rt.evaluate(_payloads(parts, rt), context, split, _checkpoint(msg))
+    return _answer(msg, list(parts), None, metrics)
 
 
 # -- ServerApp ------------------------------------------------------------------------------
@@ -899,7 +869,7 @@ class Deployment:
     """The server side of a run: the algorithm's server role, run by the round driver
     (:mod:`hyperfed.runtime.driver`), and the Flower nodes it reaches -- this class is the
     driver's transport: one Flower message per node, holding the payloads of the clients it
-    serves (a node of one client: the one-client format), replies by client id."""
+    serves (a group message; one client is a group of one), replies by client id."""
 
     name = "flower"
 
@@ -924,7 +894,6 @@ class Deployment:
         self.saved_checkpoint = 0  # round of the last checkpoint on disk
         self.node_of: dict[int, int] = {}  # client id -> Flower node id
         self.clients_of: dict[int, list[int]] = {}  # Flower node id -> the clients it serves
-        self.grouped: set[int] = set()  # nodes that joined naming partition-ids: group messages
         self.server: Server | None = None
         self.totals: dict[str, int] = {}
         self.evaluated = 0  # evaluation exchanges so far (names their message group)
@@ -939,34 +908,26 @@ class Deployment:
         extra: dict[int, Tensor] | None = None,
     ) -> dict[int, RecordDict]:
         """One message per node: its clients' payloads (only clients it serves, as its join
-        said), replies by client id (each client's records under their one-client names);
+        said), replies by client id (each client's records under their own names);
         errors and late replies are logged and dropped (the run carries on with the others)."""
         by_node: dict[int, list[int]] = {}
         for cid in payloads:
             by_node.setdefault(self.node_of[cid], []).append(cid)
         messages: list[Message] = []
         for node, cids in by_node.items():
-            if node in self.grouped:
-                content = RecordDict()
-                for cid in cids:
-                    for name, rec in payload_to_record(payloads[cid]).items():
-                        content[client_key(name, cid)] = rec
-                    if extra is not None:  # a gossip message: this client's row of W
-                        content[client_key(WEIGHTS, cid)] = pack_tensors({"w": extra[cid]})
-                served: dict[str, Any] = {"client-ids": cids}
-            else:
-                (cid,) = cids
-                content = payload_to_record(payloads[cid])
-                if extra is not None:  # a gossip message: this node's row of W
-                    content[WEIGHTS] = pack_tensors({"w": extra[cid]})
-                served = {"client-id": cid}
-            content[CONFIG] = ConfigRecord({**config, **served, "checkpoint": self.last_checkpoint})
-            for cid in cids:
-                self.wire("down", kind, group, cid, node, self._view(node, content, cid))
-            wire_content = bundle(content) if node in self.grouped else content
-            messages.append(
-                Message(wire_content, node, kind, group_id=group, ttl=self.round_timeout)
+            served = ConfigRecord(
+                {**config, "client-ids": cids, "checkpoint": self.last_checkpoint}
             )
+            parts: dict[int, RecordDict] = {}
+            for cid in cids:
+                parts[cid] = part = payload_to_record(payloads[cid])
+                if extra is not None:  # a gossip message: this client's row of W
+                    part[WEIGHTS] = pack_tensors({"w": extra[cid]})
+                view = RecordDict(dict(part))
+                view[CONFIG] = served
+                self.wire("down", kind, group, cid, node, view)
+            content = group_message(parts, {CONFIG: served})
+            messages.append(Message(content, node, kind, group_id=group, ttl=self.round_timeout))
         replies: dict[int, RecordDict] = {}
         received = send_and_receive(self.grid, messages, self.round_timeout)
         # a reply names the message it answers (ids are set when pushed); the SuperLink's
@@ -991,7 +952,7 @@ class Deployment:
                 )
                 continue
             try:
-                answer = unbundle(reply.content)
+                parts = client_parts(reply.content, by_node[node])
             except Exception as e:  # a malformed record: that node's replies are rejected
                 log.warning(
                     "%s %s: rejected reply of node %d (clients %s): %s",
@@ -1002,9 +963,8 @@ class Deployment:
                     _why(e),
                 )
                 continue
-            for cid in by_node[node]:
-                view = self._view(node, answer, cid)
-                if node in self.grouped and not view:
+            for cid, view in parts.items():
+                if not view:
                     continue  # the node did not answer for this client
                 self.wire("up", kind, group, cid, node, view)
                 replies[cid] = view
@@ -1020,16 +980,6 @@ class Deployment:
         if missing:
             log.warning("%s %s: no reply from clients %s", kind, group, missing)
         return replies
-
-    def _view(self, node: int, content: RecordDict, cid: int) -> RecordDict:
-        """Client ``cid``'s part of a message to or from ``node``: a group message's records
-        for it (and the shared config), or a one-client message whole."""
-        if node not in self.grouped:
-            return content
-        view = client_view(content, cid)
-        if view and CONFIG in content.config_records:
-            view[CONFIG] = content.config_records[CONFIG]
-        return view
 
     def wire(
         self, direction: str, kind: str, group: str, cid: int, node: int, content: RecordDict
@@ -1069,9 +1019,8 @@ class Deployment:
         return nodes
 
     def join(self) -> dict[int, Payload]:
-        """Every node's join: the clients it serves (``partition-id``, or ``partition-ids``
-        with one join payload per client) -- the only clients the server sends it messages
-        for."""
+        """Every node's join: the clients it serves (``partition-ids``, one join payload each)
+        -- the only clients the server sends it messages for."""
         nodes = self.wait_for_nodes()
         messages = [Message(RecordDict(), node, JOIN, group_id="join") for node in nodes]
         joins: dict[int, Payload] = {}
@@ -1085,15 +1034,9 @@ class Deployment:
                 log.warning("join: node %d failed: %s", node, (reply.error.reason or "")[:300])
                 continue
             try:
-                served = reply.content.config_records[NODE]
-                grouped = PARTITION_IDS in served
-                if grouped:
-                    cids = [_int(c) for c in served[PARTITION_IDS]]  # type: ignore[union-attr]
-                    answer = unbundle(reply.content)
-                    views = {c: client_view(answer, c) for c in cids}
-                else:
-                    cids = [_int(served[PARTITION_ID])]
-                    views = {cids[0]: reply.content}
+                served = reply.content.config_records[NODE][PARTITION_IDS]
+                cids = [_int(c) for c in served]  # type: ignore[union-attr]
+                views = client_parts(reply.content, cids)
                 payloads = {c: record_to_payload(views[c], self.device) for c in cids}
             except Exception as e:  # a malformed join: that node is left out, logged
                 log.warning("join: rejected node %d: %s", node, _why(e))
@@ -1107,7 +1050,7 @@ class Deployment:
                 if cid in self.node_of or cid in accepted or not 0 <= cid < self.n:
                     problem = f"partition id {cid} taken or out of range [0, {self.n})"
                 if problem:
-                    what = f"client {cid} of node {node}" if grouped else f"node {node}"
+                    what = f"client {cid} of node {node}" if len(cids) > 1 else f"node {node}"
                     log.warning("join: rejected %s: %s", what, problem)
                     continue
                 self.node_of[cid] = node
@@ -1116,8 +1059,6 @@ class Deployment:
                 self.wire("up", JOIN, "join", cid, node, views[cid])
             if accepted:
                 self.clients_of[node] = accepted
-                if grouped:
-                    self.grouped.add(node)
         if not joins:
             raise RuntimeError("no node joined the run")
         log.info(
