@@ -22,7 +22,7 @@ def measure(dataset: str, clients: int, pooled: bool) -> dict[str, float]:
     import torch
 
     from hyperfed.config import load_config
-    from hyperfed.deploy import flower as fl
+    from hyperfed.deploy.node import ClientRuntime
     from hyperfed.runtime import federation
 
     torch.set_num_threads(1)
@@ -34,7 +34,7 @@ def measure(dataset: str, clients: int, pooled: bool) -> dict[str, float]:
         whole = federation.load_federation
         federation.load_federation = lambda cfg, device, clients=None: whole(cfg, device)  # type: ignore[assignment,misc]
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    runtimes = [fl.ClientRuntime.build(cfg, [cid], clients) for cid in range(clients)]
+    runtimes = [ClientRuntime.build(cfg, [cid], clients) for cid in range(clients)]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     held = sum(rt.data.x.nbytes + rt.data.y.nbytes for rt in runtimes) / 2**20
     return {"peak_mb": peak, "growth_mb": peak - base, "data_mb": held}

@@ -1,7 +1,7 @@
 """One federation builder (issue 38, items 1, 2 and 4): ``hyperfed.runtime.federation``.
 
 * Conformance, parametrized over the registry: a Flower node's client (built, joined and given
-  its initial state as ``deploy/flower.py`` does, one node after another) and the Flower
+  its initial state as ``deploy/node.py`` does, one node after another) and the Flower
   server's role hold exactly the state the simulator builds for them -- join payloads, initial
   client state and server state, tensor for tensor.
 * The builder's seeding leaves the random state outside it as it was.
@@ -84,10 +84,12 @@ def _cases() -> list[Any]:
 def test_flower_builds_the_simulators_initial_state(
     name: str, mix: str, small_sim: Any, tmp_path: Path
 ) -> None:
-    flower = pytest.importorskip("hyperfed.deploy.flower")
+    pytest.importorskip("flwr")
     from flwr.app import Context, RecordDict
 
-    from hyperfed.deploy.launch import RC_RUN_DIR, experiment_run_config
+    from hyperfed.deploy.appconfig import RunSettings, experiment_run_config
+    from hyperfed.deploy.node import ClientRuntime
+    from hyperfed.deploy.server import Deployment
 
     extra = ADJUST.get((name, None), []) + ADJUST.get((name, mix), [])
     cfg = small_sim.config(name, MIXES[mix], *extra)
@@ -96,13 +98,14 @@ def test_flower_builds_the_simulators_initial_state(
     joins = {}
     for cid in range(n):  # one node after another, as separate processes would run them
         torch.manual_seed(1000 + cid)  # its own process
-        node = flower.ClientRuntime.build(cfg, [cid], n)
+        node = ClientRuntime.build(cfg, [cid], n)
         joins[cid] = node.joins()[cid]
         assert (d := _same(sim.joins[cid], joins[cid], f"join {cid}")) is None, d
         context = Context(1, cid, {}, RecordDict(), {})  # a fresh node's
         stored = node.load_states(context, [cid])[cid]  # its state on the first message
         assert (d := _same(sim.store[cid], stored, f"client {cid}")) is None, d
-    deployment = flower.Deployment(None, {**experiment_run_config(cfg), RC_RUN_DIR: str(tmp_path)})
+    settings = RunSettings(run_dir=str(tmp_path)).to_run_config()
+    deployment = Deployment(None, {**experiment_run_config(cfg), **settings})
     torch.manual_seed(12345)  # the server's process ran other things before
     server = deployment.build_server(joins)
     assert (d := _same(sim.server.state_dict(), server.state_dict(), "server")) is None, d
@@ -194,7 +197,8 @@ def _imported(path: Path) -> set[str]:
 def test_flower_builds_with_the_federation_not_the_simulator() -> None:
     for path in (ROOT / "deploy").glob("*.py"):
         assert "hyperfed.runtime.simulate" not in _imported(path), path.name
-    assert "hyperfed.runtime.federation" in _imported(ROOT / "deploy" / "flower.py")
+    for side in ("node.py", "server.py"):  # both build with the simulator's builder
+        assert "hyperfed.runtime.federation" in _imported(ROOT / "deploy" / side)
 
 
 SERVER_HOOKS = {

@@ -21,14 +21,17 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects  
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents  # noqa: E402
 
 from hyperfed.config import ConfigError, load_config  # noqa: E402
-from hyperfed.deploy import flower as fl  # noqa: E402
-from hyperfed.deploy.launch import (  # noqa: E402
+from hyperfed.deploy import appconfig  # noqa: E402
+from hyperfed.deploy import node as client_side  # noqa: E402
+from hyperfed.deploy import records as wire  # noqa: E402
+from hyperfed.deploy import server as server_side  # noqa: E402
+from hyperfed.deploy.appconfig import (  # noqa: E402
     CLIENTAPP,
     SERVERAPP,
-    LocalDeployment,
-    _group_alive,
+    RunSettings,
     experiment_run_config,
 )
+from hyperfed.deploy.launch import LocalDeployment, _group_alive  # noqa: E402
 from hyperfed.runtime.rundir import read_metrics  # noqa: E402
 from hyperfed.runtime.simulate import Simulation  # noqa: E402
 
@@ -79,15 +82,15 @@ def test_payload_record_round_trip_is_exact():
         "empty": torch.zeros(0, 3),
         "special": torch.tensor([float("inf"), -0.0, 1e-45, float("nan")]),
     }
-    back = fl.record_to_payload(_over_the_wire(fl.payload_to_record(payload)))
+    back = wire.record_to_payload(_over_the_wire(wire.payload_to_record(payload)))
     assert list(back) == list(payload)
     for k, v in payload.items():
         assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
         assert torch.equal(back[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
-    assert fl.record_to_payload(fl.payload_to_record({})) == {}
+    assert wire.record_to_payload(wire.payload_to_record({})) == {}
     # no bytes at all (Flower sends an empty array with stride 0)
-    only_empty = fl.record_to_payload(
-        _over_the_wire(fl.payload_to_record({"e": torch.zeros(0, 2)}))
+    only_empty = wire.record_to_payload(
+        _over_the_wire(wire.payload_to_record({"e": torch.zeros(0, 2)}))
     )
     assert only_empty["e"].shape == (0, 2) and only_empty["e"].dtype == torch.float32
 
@@ -100,7 +103,7 @@ def test_a_payload_travels_as_a_few_objects_whatever_its_tensor_count():
     from flwr.supercore.inflatable.inflatable_utils import iterate_object_tree
 
     payload = {f"layer{i}": torch.randn(4, 3) for i in range(10)}
-    record = fl.payload_to_record(payload)[fl.PAYLOAD]
+    record = wire.payload_to_record(payload)[wire.PAYLOAD]
     assert len(list(iterate_object_tree(get_object_tree(record)))) == 5
 
 
@@ -119,22 +122,24 @@ def test_a_group_message_travels_bundled_and_comes_back_the_same():
     content = RecordDict()
     for c in range(10):
         payload = {"body": torch.randn(5, generator=g), "n": torch.tensor(c)}
-        content[fl.client_key(fl.PAYLOAD, c)] = fl.pack_tensors(payload)
-        content[fl.client_key(fl.METRICS, c)] = MetricRecord({"train_loss": 0.5 + c} if c else {})
-    content[fl.CONFIG] = ConfigRecord({"round": 3})
-    wire = _over_the_wire(fl.bundle(content))
-    assert count(wire) <= 9 < count(content)
-    back = fl.unbundle(wire)
+        content[wire.client_key(wire.PAYLOAD, c)] = wire.pack_tensors(payload)
+        content[wire.client_key(wire.METRICS, c)] = MetricRecord(
+            {"train_loss": 0.5 + c} if c else {}
+        )
+    content[wire.CONFIG] = ConfigRecord({"round": 3})
+    sent = _over_the_wire(wire.bundle(content))
+    assert count(sent) <= 9 < count(content)
+    back = wire.unbundle(sent)
     assert sorted(back) == sorted(content)
     for c in range(10):
-        want = fl.record_to_payload(fl.client_view(content, c))
-        got = fl.record_to_payload(fl.client_view(back, c))
+        want = wire.record_to_payload(wire.client_view(content, c))
+        got = wire.record_to_payload(wire.client_view(back, c))
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
-        assert dict(back[fl.client_key(fl.METRICS, c)]) == dict(
-            content[fl.client_key(fl.METRICS, c)]
+        assert dict(back[wire.client_key(wire.METRICS, c)]) == dict(
+            content[wire.client_key(wire.METRICS, c)]
         )
-    assert dict(back[fl.CONFIG]) == {"round": 3}
-    assert fl.unbundle(content) is content  # not bundled: as it is
+    assert dict(back[wire.CONFIG]) == {"round": 3}
+    assert wire.unbundle(content) is content  # not bundled: as it is
 
 
 def test_a_record_from_another_format_is_refused_in_one_line():
@@ -142,7 +147,7 @@ def test_a_record_from_another_format_is_refused_in_one_line():
 
     old = ArrayRecord({"theta": Array(np.zeros(3, dtype=np.float32))})
     with pytest.raises(ValueError, match="not a hyperfed tensor record .*same version"):
-        fl.unpack_tensors(old)
+        wire.unpack_tensors(old)
 
 
 # -- the ClientApp, called in-process -----------------------------------------------------------
@@ -180,37 +185,37 @@ def test_mh_pfedhn_client_sends_its_size_at_join_and_only_its_update_after_fit(c
     fm = sim.models[sim.arch_of[cid]]
     ctx = _context(cfg, cid, run_id=4242)
 
-    reply = fl.client_app(_message(RecordDict(), fl.JOIN, ctx.node_id), ctx)
+    reply = client_side.client_app(_message(RecordDict(), wire.JOIN, ctx.node_id), ctx)
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
     # a group message of one client: its join payload and an empty metrics record
-    answer = fl.unbundle(reply.content)
-    assert set(answer.array_records) == {fl.client_key(fl.PAYLOAD, cid)}
+    answer = wire.unbundle(reply.content)
+    assert set(answer.array_records) == {wire.client_key(wire.PAYLOAD, cid)}
     assert {k: dict(v) for k, v in answer.metric_records.items()} == {
-        fl.client_key(fl.METRICS, cid): {}
+        wire.client_key(wire.METRICS, cid): {}
     }
     assert {k: dict(v) for k, v in answer.config_records.items()} == {
-        fl.NODE: {"partition-ids": [cid]}
+        wire.NODE: {"partition-ids": [cid]}
     }
-    join = fl.record_to_payload(fl.client_parts(reply.content, [cid])[cid])
+    join = wire.record_to_payload(wire.client_parts(reply.content, [cid])[cid])
     assert set(join) == {"num_params", "num_samples"}  # Client.join: no architecture
     assert int(join["num_params"]) == fm.num_params
     assert int(join["num_samples"]) == sim.data.train_sizes[cid]
 
     msg = sim.server.configure_train(1, [cid])[cid]
     config = ConfigRecord({"round": 1, "client-ids": [cid]})
-    content = fl.group_message({cid: fl.payload_to_record(msg)}, {fl.CONFIG: config})
-    reply = fl.client_app(_message(content, fl.TRAIN, ctx.node_id), ctx)
+    content = wire.group_message({cid: wire.payload_to_record(msg)}, {wire.CONFIG: config})
+    reply = client_side.client_app(_message(content, wire.TRAIN, ctx.node_id), ctx)
     assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
-    answer = fl.unbundle(reply.content)
-    assert set(answer) == {fl.client_key(fl.PAYLOAD, cid), fl.client_key(fl.METRICS, cid)}
-    part = fl.client_parts(reply.content, [cid])[cid]
-    update = fl.record_to_payload(part)
+    answer = wire.unbundle(reply.content)
+    assert set(answer) == {wire.client_key(wire.PAYLOAD, cid), wire.client_key(wire.METRICS, cid)}
+    part = wire.client_parts(reply.content, [cid])[cid]
+    update = wire.record_to_payload(part)
     assert set(update) == {"delta"}  # only Delta theta_i crosses
     assert update["delta"].shape == (fm.num_params,)
-    assert set(part[fl.METRICS]) == {"train_loss", "train_flops"}
+    assert set(part[wire.METRICS]) == {"train_loss", "train_flops"}
     assert sim.server.check_reply(cid, update) is None
     # the client state (BatchNorm statistics) stays on the node, in context.state
-    assert f"{fl.STATE}.{cid}" in ctx.state.array_records
+    assert f"{client_side.STATE}.{cid}" in ctx.state.array_records
 
     # the same update as the simulator computes for this client
     group = sim.group(sim.arch_of[cid], [cid], 1)
@@ -223,7 +228,7 @@ def test_client_rejects_a_node_config_that_splits_the_data_differently(cfg):
     ctx = _context(cfg, 0, run_id=4343)
     ctx.node_config["num-partitions"] = 5
     with pytest.raises(ConfigError, match="num-partitions=5 but clients.count=3"):
-        fl.client_app(_message(RecordDict(), fl.JOIN, ctx.node_id), ctx)
+        client_side.client_app(_message(RecordDict(), wire.JOIN, ctx.node_id), ctx)
 
 
 def test_flower_app_command_writes_an_app_flower_accepts(cfg, tmp_path):
@@ -241,7 +246,9 @@ def test_flower_app_command_writes_an_app_flower_accepts(cfg, tmp_path):
     components = config["tool"]["flwr"]["app"]["components"]
     assert components == {"serverapp": SERVERAPP, "clientapp": CLIENTAPP}
     run_config = config["tool"]["flwr"]["app"]["config"]
-    assert fl.config_from_run_config(run_config) == cfg  # the experiment travels with the run
+    assert (
+        appconfig.config_from_run_config(run_config) == cfg
+    )  # the experiment travels with the run
 
     res = CliRunner().invoke(app, ["flower", "app", "--set", "algorithm.name=nope"])
     assert res.exit_code == 2 and "nope" in res.output
@@ -296,28 +303,28 @@ def test_loopback_deployment_runs_mh_pfedhn_like_the_simulator(cfg, tmp_path, de
     assert final["flops_round"] == simulated.flops > 0
     assert final["flops_server_round"] == simulated.server_flops > 0
 
-    wire = _wire(run)
-    joins = [w for w in wire if w["type"] == fl.JOIN]
+    log = _wire(run)
+    joins = [w for w in log if w["type"] == wire.JOIN]
     assert sorted(w["client"] for w in joins) == [0, 1, 2]
-    assert all(set(w["content"][fl.PAYLOAD]) == {"num_params", "num_samples"} for w in joins)
+    assert all(set(w["content"][wire.PAYLOAD]) == {"num_params", "num_samples"} for w in joins)
     for rnd in ("1", "2", "3"):
         down = [
-            w for w in wire if w["type"] == fl.TRAIN and w["group"] == rnd and w["dir"] == "down"
+            w for w in log if w["type"] == wire.TRAIN and w["group"] == rnd and w["dir"] == "down"
         ]
-        up = [w for w in wire if w["type"] == fl.TRAIN and w["group"] == rnd and w["dir"] == "up"]
+        up = [w for w in log if w["type"] == wire.TRAIN and w["group"] == rnd and w["dir"] == "up"]
         assert sorted(w["client"] for w in down) == [0, 1, 2]
         # each client gets its own theta_i (its own length, its own values) ...
-        assert all(set(w["content"][fl.PAYLOAD]) == {"theta"} for w in down)
-        assert len({w["content"][fl.PAYLOAD]["theta"]["id"] for w in down}) == 3
+        assert all(set(w["content"][wire.PAYLOAD]) == {"theta"} for w in down)
+        assert len({w["content"][wire.PAYLOAD]["theta"]["id"] for w in down}) == 3
         # ... and sends back only Delta theta_i
         assert sorted(w["client"] for w in up) == [0, 1, 2]
         for w in up:
-            assert set(w["content"][fl.PAYLOAD]) == {"delta"}
+            assert set(w["content"][wire.PAYLOAD]) == {"delta"}
             fm = sim.models[sim.arch_of[w["client"]]]
-            assert w["content"][fl.PAYLOAD]["delta"]["shape"] == [fm.num_params]
+            assert w["content"][wire.PAYLOAD]["delta"]["shape"] == [fm.num_params]
 
     # the server's hypernetwork moved away from its initialization
-    end = torch.load(run / fl.SERVER_STATE, weights_only=False)["server"]["hnet"]
+    end = torch.load(run / server_side.SERVER_STATE, weights_only=False)["server"]["hnet"]
     assert set(start) == set(end)
     assert any(not torch.equal(start[k], end[k]) for k in start)
 
@@ -353,7 +360,7 @@ def test_run_completes_when_a_supernode_dies(cfg, tmp_path, deployments):
     assert final["replied"] == [0, 1]
     assert final["eval_missing"] == [2]
     assert "no reply from clients [2]" in log.read_text()  # round 2, then left out
-    up = [w for w in _wire(tmp_path / "run") if w["dir"] == "up" and w["type"] == fl.TRAIN]
+    up = [w for w in _wire(tmp_path / "run") if w["dir"] == "up" and w["type"] == wire.TRAIN]
     assert {w["client"] for w in up if w["group"] == "1"} == {0, 1, 2}
     assert {w["client"] for w in up if w["group"] == "3"} == {0, 1}
 
@@ -365,7 +372,7 @@ def test_every_setting_is_a_run_config_key_flwr_run_can_override(cfg, tmp_path):
     from flwr.cli.config_utils import load_and_validate
     from flwr.common.config import flatten_dict, fuse_dicts, parse_config_args
 
-    from hyperfed.deploy.launch import write_app
+    from hyperfed.deploy.appconfig import write_app
 
     app = write_app(tmp_path / "app", cfg)
     config, _ = load_and_validate(app / "pyproject.toml")
@@ -374,7 +381,7 @@ def test_every_setting_is_a_run_config_key_flwr_run_can_override(cfg, tmp_path):
     # what `flwr run APP --run-config "..."` does with the app's keys (Flower's own code)
     cli = ['rounds=50 local.lr=0.2 clients.models="vgg8" local.momentum=0.5']
     fused = fuse_dicts(defaults, parse_config_args(cli))
-    got = fl.config_from_run_config(fused)
+    got = appconfig.config_from_run_config(fused)
     assert (got.rounds, got.local.lr, got.clients.models, got.local.momentum) == (
         50,
         0.2,
@@ -384,9 +391,16 @@ def test_every_setting_is_a_run_config_key_flwr_run_can_override(cfg, tmp_path):
     assert (
         got.model_copy(update={"rounds": 3, "local": cfg.local, "clients": cfg.clients}) == cfg
     )  # nothing else moved
-    assert fl.config_from_run_config(defaults) == cfg  # lists travel too (clients.models)
+    assert appconfig.config_from_run_config(defaults) == cfg  # lists travel too (clients.models)
     with pytest.raises(ValueError, match="not present"):
         fuse_dicts(defaults, parse_config_args(["roundz=5"]))  # Flower refuses unknown keys
+    # hyperfed's own keys (RunSettings): written with their defaults, overridden the same way
+    assert RunSettings.from_run_config(defaults) == RunSettings()
+    fused = fuse_dicts(defaults, parse_config_args(["round-timeout=30.0 clients-per-node=2"]))
+    got_settings = RunSettings.from_run_config(fused)
+    assert got_settings == RunSettings(round_timeout=30.0, clients_per_node=2)
+    with pytest.raises(ConfigError, match="run config min-nodes='many': not a valid int"):
+        RunSettings.from_run_config({"min-nodes": "many"})
 
 
 def test_a_node_holds_only_its_own_clients_samples(cfg):
@@ -406,21 +420,21 @@ def test_a_node_holds_only_its_own_clients_samples(cfg):
 
 def _state_context(cfg, cid: int, run_id: int, run_dir: str) -> Context:
     ctx = _context(cfg, cid, run_id)
-    ctx.run_config[fl.RC_RUN_DIR] = run_dir
+    ctx.run_config.update(RunSettings(run_dir=run_dir).to_run_config())
     return ctx
 
 
 def test_a_resumed_run_gives_each_node_its_state_of_the_checkpoint_round(tmp_path, monkeypatch):
     """fedper keeps the head on the client: after a restart (a new Flower run, an empty
     context) the node continues from its state as of the server's last checkpoint."""
-    monkeypatch.setenv(fl.STATE_DIR_ENV, str(tmp_path / "state"))
+    monkeypatch.setenv(client_side.STATE_DIR_ENV, str(tmp_path / "state"))
     sets = [s for s in SETTINGS if not s.startswith(("algorithm.", "clients.models"))]
     cfg = load_config(
         None, [*sets, "algorithm.name=fedper", "checkpoint_every=2", "clients.models=lenet"]
     )
-    fl._RUNTIMES.clear()
+    client_side._RUNTIMES.clear()
     ctx = _state_context(cfg, 0, run_id=1, run_dir="r")
-    rt = fl._runtime(ctx)
+    rt = client_side._runtime(ctx)
     msg = Simulation(cfg).server.configure_train(1, [0])[0]  # the server's body
     states = {}
     for rnd in (1, 2, 3):  # the server checkpointed round 2, then died in round 3
@@ -428,27 +442,27 @@ def test_a_resumed_run_gives_each_node_its_state_of_the_checkpoint_round(tmp_pat
         states[rnd] = rt.load_states(ctx, [0])[0]
     assert not torch.equal(states[2]["head"], states[3]["head"])
 
-    fl._RUNTIMES.clear()  # the restarted run: a new run id, an empty context
+    client_side._RUNTIMES.clear()  # the restarted run: a new run id, an empty context
     again = _state_context(cfg, 0, run_id=2, run_dir="r")
-    rt2 = fl._runtime(again)
+    rt2 = client_side._runtime(again)
     got = rt2.load_states(again, [0], checkpoint=2)[0]
     assert set(got) == set(states[2])
     assert all(torch.equal(got[k], states[2][k]) for k in got)
     assert not rt2.lost
 
     # a node whose files are gone starts from its initial state and says so
-    fl._RUNTIMES.clear()
+    client_side._RUNTIMES.clear()
     import shutil
 
     shutil.rmtree(tmp_path / "state")
     lost = _state_context(cfg, 0, run_id=3, run_dir="r")
-    rt3 = fl._runtime(lost)
+    rt3 = client_side._runtime(lost)
     _, metrics = rt3.fit(3, {0: msg}, lost, checkpoint=2)
     assert metrics[0]["state_lost"] == 1.0
     # a fresh (not resumed) run in the same place never reads an earlier run's files
-    fl._RUNTIMES.clear()
+    client_side._RUNTIMES.clear()
     fresh = _state_context(cfg, 0, run_id=4, run_dir="r")
-    rt4 = fl._runtime(fresh)
+    rt4 = client_side._runtime(fresh)
     init = rt4.client.init_state(rt4.fms[rt4.federation.arch_of[0]], 1)
     first = rt4.load_states(fresh, [0], checkpoint=0)[0]
     assert all(torch.equal(first[k], init[k][0]) for k in init)
@@ -573,14 +587,14 @@ def test_decentralized_dfedavg_over_flower_on_a_ring_equals_the_simulator(tmp_pa
         assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
         assert b["bytes_up_total"] == a["bytes_up_total"]
     # the server relayed: each node got its two ring neighbours' payloads and its own
-    wire = _wire(tmp_path / "run")
+    log = _wire(tmp_path / "run")
     relayed = [
         w
-        for w in wire
-        if w["type"] == fl.GOSSIP and w["group"] == "gossip-1" and w["dir"] == "down"
+        for w in log
+        if w["type"] == wire.GOSSIP and w["group"] == "gossip-1" and w["dir"] == "down"
     ]
     assert sorted(w["client"] for w in relayed) == [0, 1, 2, 3]
     for w in relayed:
-        shapes = {k: v["shape"][0] for k, v in w["content"][fl.PAYLOAD].items()}
+        shapes = {k: v["shape"][0] for k, v in w["content"][wire.PAYLOAD].items()}
         assert set(shapes.values()) == {3}
-        assert w["content"][fl.WEIGHTS]["w"]["shape"] == [3]
+        assert w["content"][wire.WEIGHTS]["w"]["shape"] == [3]

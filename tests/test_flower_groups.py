@@ -26,15 +26,20 @@ pytest.importorskip("flwr", reason="Flower is not installed: pip install 'hyperf
 from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 
 from hyperfed.config import ConfigError, load_config  # noqa: E402
-from hyperfed.deploy import flower as fl  # noqa: E402
-from hyperfed.deploy.launch import (  # noqa: E402
-    RC_CLIENTS_PER_NODE,
-    LocalDeployment,
-    _group_alive,
+from hyperfed.deploy import appconfig  # noqa: E402
+from hyperfed.deploy import node as client_side  # noqa: E402
+from hyperfed.deploy import records as wire  # noqa: E402
+from hyperfed.deploy import server as server_side  # noqa: E402
+from hyperfed.deploy.appconfig import (  # noqa: E402
+    RunSettings,
     experiment_run_config,
     format_partition_ids,
     node_groups,
     parse_partition_ids,
+)
+from hyperfed.deploy.launch import (  # noqa: E402
+    LocalDeployment,
+    _group_alive,
     remote_commands,
     supernode_command,
 )
@@ -97,22 +102,22 @@ def test_partition_ids_read_ranges_and_lists():
 
 def test_a_node_config_names_one_client_a_list_or_a_simulated_group():
     cfg = load_config(None, [*FEDPER, "clients.count=5"])
-    assert fl.node_clients({"partition-ids": "1,3-4", "num-partitions": 5}, cfg) == [1, 3, 4]
-    assert fl.node_clients({"partition-id": 2, "num-partitions": 5}, cfg) == [2]
+    assert appconfig.node_clients({"partition-ids": "1,3-4", "num-partitions": 5}, cfg) == [1, 3, 4]
+    assert appconfig.node_clients({"partition-id": 2, "num-partitions": 5}, cfg) == [2]
     # Flower's Simulation Engine: node k of ceil(5 / 2) = 3 serves clients 2k, 2k + 1
-    assert fl.node_clients({"partition-id": 1, "num-partitions": 3}, cfg, 2) == [2, 3]
-    assert fl.node_clients({"partition-id": 2, "num-partitions": 3}, cfg, 2) == [4]
-    assert fl.node_clients({"partition-id": 2, "num-partitions": 5}, cfg, 2) == [2]
+    assert appconfig.node_clients({"partition-id": 1, "num-partitions": 3}, cfg, 2) == [2, 3]
+    assert appconfig.node_clients({"partition-id": 2, "num-partitions": 3}, cfg, 2) == [4]
+    assert appconfig.node_clients({"partition-id": 2, "num-partitions": 5}, cfg, 2) == [2]
     with pytest.raises(ConfigError, match=r"num-partitions=3 but clients.count=5 \(nor 2 node"):
-        fl.node_clients({"partition-id": 0, "num-partitions": 3}, cfg, 4)
+        appconfig.node_clients({"partition-id": 0, "num-partitions": 3}, cfg, 4)
     with pytest.raises(ConfigError, match="num-partitions=3 but clients.count=5: every"):
-        fl.node_clients({"partition-id": 0, "num-partitions": 3}, cfg)
+        appconfig.node_clients({"partition-id": 0, "num-partitions": 3}, cfg)
     with pytest.raises(ConfigError, match="num-partitions=4 but clients.count=5"):
-        fl.node_clients({"partition-ids": "0-1", "num-partitions": 4}, cfg)
+        appconfig.node_clients({"partition-ids": "0-1", "num-partitions": 4}, cfg)
     with pytest.raises(ConfigError, match=r"partition-id=3 not in \[0, 3\)"):
-        fl.node_clients({"partition-id": 3, "num-partitions": 3}, cfg, 2)
+        appconfig.node_clients({"partition-id": 3, "num-partitions": 3}, cfg, 2)
     with pytest.raises(ConfigError, match="needs partition-id .or partition-ids."):
-        fl.node_clients({"partition-ids": "0-1"}, cfg)
+        appconfig.node_clients({"partition-ids": "0-1"}, cfg)
 
 
 def test_launch_commands_name_each_nodes_group(tmp_path):
@@ -124,7 +129,7 @@ def test_launch_commands_name_each_nodes_group(tmp_path):
     # what flower-supernode makes of it (Flower's own parser)
     node_config = parse_config_args([cmd[cmd.index("--node-config") + 1]])
     assert node_config == {"partition-ids": "2-3", "num-partitions": 4}
-    assert fl.node_clients(node_config, cfg) == [2, 3]
+    assert appconfig.node_clients(node_config, cfg) == [2, 3]
     one = supernode_command("127.0.0.1:1", 2, 4, 9000)
     assert one[one.index("--node-config") + 1] == "partition-id=2 num-partitions=4"
     d = LocalDeployment(cfg, tmp_path, tmp_path, nodes=2, num_partitions=4, clients_per_node=3)
@@ -149,8 +154,8 @@ def test_flower_app_writes_the_groups_into_the_app_and_the_commands(tmp_path):
     assert "IDS=(0-2 3)" in res.output and "partition-ids=" in res.output
     config, _ = load_and_validate(out / "pyproject.toml")
     run_config = config["tool"]["flwr"]["app"]["config"]
-    assert run_config[RC_CLIENTS_PER_NODE] == 3
-    assert fl.config_from_run_config(run_config) == load_config(None, FEDPER)
+    assert run_config["clients-per-node"] == 3
+    assert appconfig.config_from_run_config(run_config) == load_config(None, FEDPER)
     res = CliRunner().invoke(app, ["flower", "app", *sets, "--clients-per-node", "0"])
     assert res.exit_code != 0 and "--clients-per-node 0: must be >= 1" in res.output
 
@@ -198,15 +203,15 @@ class InProcessGrid:
         ids = []
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # as Grid.push_messages
-            config = msg.content.config_records.get(fl.CONFIG, ConfigRecord())
+            config = msg.content.config_records.get(wire.CONFIG, ConfigRecord())
             ids_ = config.get("client-ids", [])
             self.sent.append((msg.metadata.dst_node_id, msg.metadata.message_type, list(ids_)))
-            reply = fl.client_app(msg, self.contexts[msg.metadata.dst_node_id])
+            reply = client_side.client_app(msg, self.contexts[msg.metadata.dst_node_id])
             if "client-ids" in config:
                 self.bundled.append(
                     (
-                        fl.BUNDLE_INDEX in msg.content.config_records,
-                        fl.BUNDLE_INDEX in reply.content.config_records,
+                        wire.BUNDLE_INDEX in msg.content.config_records,
+                        wire.BUNDLE_INDEX in reply.content.config_records,
                     )
                 )
             self.replies[msg.metadata.message_id] = reply
@@ -220,18 +225,18 @@ class InProcessGrid:
 
 
 def _run_in_process(cfg, tmp_path: Path, node_configs: dict[int, dict], per_node: int = 1):
-    fl._RUNTIMES.clear()
-    run_config = {
-        **experiment_run_config(cfg),
-        fl.RC_RUN_DIR: str(tmp_path / "run"),
-        RC_CLIENTS_PER_NODE: per_node,
-        fl.RC_MIN_NODES: len(node_configs),
-        fl.RC_JOIN_TIMEOUT: 5.0,
-    }
+    client_side._RUNTIMES.clear()
+    settings = RunSettings(
+        run_dir=str(tmp_path / "run"),
+        min_nodes=len(node_configs),
+        join_timeout=5.0,
+        clients_per_node=per_node,
+    )
+    run_config = {**experiment_run_config(cfg), **settings.to_run_config()}
     grid = InProcessGrid(run_config, node_configs)
-    deployment = fl.Deployment(grid, run_config)  # type: ignore[arg-type]
+    deployment = server_side.Deployment(grid, run_config)  # type: ignore[arg-type]
     records = deployment.run()
-    fl._RUNTIMES.clear()
+    client_side._RUNTIMES.clear()
     return records, grid, deployment
 
 
@@ -256,7 +261,7 @@ def _same_as_simulator(cfg, records: list[dict], run: Path | None = None) -> Sim
             before = pytest.approx(a["client_acc_before_gossip"], abs=1e-4)
             assert b["client_acc_before_gossip"] == before
     if run is not None:
-        got = torch.load(run / fl.SERVER_STATE, weights_only=False)["server"]
+        got = torch.load(run / server_side.SERVER_STATE, weights_only=False)["server"]
         torch.testing.assert_close(got, sim.server.state_dict(), rtol=1e-5, atol=1e-6)
     return sim
 
@@ -267,14 +272,14 @@ def _node_states_are_the_simulators(grid: InProcessGrid, deployment, sim: Simula
     for node, cids in deployment.clients_of.items():
         records = grid.contexts[node].state.array_records
         for c in cids:
-            got = fl._state_from_record(records[f"{fl.STATE}.{c}"], torch.device("cpu"))
+            got = wire.unpack_tensors(records[f"{client_side.STATE}.{c}"], torch.device("cpu"))
             torch.testing.assert_close(got, sim.store[c], rtol=1e-5, atol=1e-6)
 
 
-def _only_own_clients(grid: InProcessGrid, deployment: fl.Deployment) -> None:
+def _only_own_clients(grid: InProcessGrid, deployment: server_side.Deployment) -> None:
     """The server sent every node messages for its own clients only, one per node and type."""
     for node, kind, ids in grid.sent:
-        if kind != fl.JOIN:
+        if kind != wire.JOIN:
             assert ids and set(ids) <= set(deployment.clients_of[node]), (node, kind, ids)
 
 
@@ -287,14 +292,14 @@ def test_two_nodes_of_two_fedper_clients_give_the_simulators_metrics_and_bytes(
         12: {"partition-ids": "2,3", "num-partitions": 4},
     }
     replies: dict[int, dict] = {}  # round -> the server's replies by client id
-    fit = fl.Deployment.fit
+    fit = server_side.Deployment.fit
 
     def recording_fit(self, rnd, msgs):
         out = fit(self, rnd, msgs)
         replies[rnd] = out.replies
         return out
 
-    monkeypatch.setattr(fl.Deployment, "fit", recording_fit)
+    monkeypatch.setattr(server_side.Deployment, "fit", recording_fit)
     records, grid, deployment = _run_in_process(cfg, tmp_path, nodes)
     sim = _same_as_simulator(cfg, records, tmp_path / "run")
     # each client's round-1 update reached the server as that client's (FedPer averages
@@ -305,17 +310,19 @@ def test_two_nodes_of_two_fedper_clients_give_the_simulators_metrics_and_bytes(
         torch.testing.assert_close(replies[1][c], reply, rtol=1e-5, atol=1e-6)
     assert deployment.clients_of == {11: [0, 1], 12: [2, 3]}
     _only_own_clients(grid, deployment)
-    trains = [(node, ids) for node, kind, ids in grid.sent if kind == fl.TRAIN]
+    trains = [(node, ids) for node, kind, ids in grid.sent if kind == wire.TRAIN]
     assert sorted(trains) == [(11, [0, 1]), (11, [0, 1]), (12, [2, 3]), (12, [2, 3])]
     # every group message and every reply to one crossed bundled (a few objects, not 4 a client)
     assert grid.bundled and all(down and up for down, up in grid.bundled)
     # each node keeps one state record per client (the head stays on the node): the
     # simulator's state of that client
     for node, ids in ((11, [0, 1]), (12, [2, 3])):
-        assert set(grid.contexts[node].state.array_records) == {f"{fl.STATE}.{c}" for c in ids}
+        assert set(grid.contexts[node].state.array_records) == {
+            f"{client_side.STATE}.{c}" for c in ids
+        }
     _node_states_are_the_simulators(grid, deployment, sim)
     # wire.jsonl: a line per client and message, with that client's own payload
-    up = [w for w in _wire(tmp_path / "run") if w["type"] == fl.TRAIN and w["dir"] == "up"]
+    up = [w for w in _wire(tmp_path / "run") if w["type"] == wire.TRAIN and w["dir"] == "up"]
     assert sorted((w["group"], w["client"], w["node"]) for w in up) == [
         ("1", 0, 11),
         ("1", 1, 11),
@@ -326,8 +333,8 @@ def test_two_nodes_of_two_fedper_clients_give_the_simulators_metrics_and_bytes(
         ("2", 2, 12),
         ("2", 3, 12),
     ]
-    assert all(set(w["content"][fl.PAYLOAD]) == {"body"} for w in up)
-    assert len({w["content"][fl.PAYLOAD]["body"]["id"] for w in up}) == 8
+    assert all(set(w["content"][wire.PAYLOAD]) == {"body"} for w in up)
+    assert len({w["content"][wire.PAYLOAD]["body"]["id"] for w in up}) == 8
 
 
 def test_a_node_of_two_architectures_beside_a_one_client_node(tmp_path):
@@ -362,11 +369,13 @@ def test_gossip_dfedavg_on_a_ring_with_two_clients_per_node(tmp_path):
     sim = _same_as_simulator(cfg, records)
     _node_states_are_the_simulators(grid, deployment, sim)
     _only_own_clients(grid, deployment)
-    relayed = [w for w in _wire(tmp_path / "run") if w["type"] == fl.GOSSIP and w["dir"] == "down"]
+    relayed = [
+        w for w in _wire(tmp_path / "run") if w["type"] == wire.GOSSIP and w["dir"] == "down"
+    ]
     assert sorted(w["client"] for w in relayed if w["group"] == "gossip-1") == [0, 1, 2, 3]
     for w in relayed:  # each client: its two ring neighbours' payloads and its own, its row
-        assert {v["shape"][0] for v in w["content"][fl.PAYLOAD].values()} == {3}
-        assert w["content"][fl.WEIGHTS]["w"]["shape"] == [3]
+        assert {v["shape"][0] for v in w["content"][wire.PAYLOAD].values()} == {3}
+        assert w["content"][wire.WEIGHTS]["w"]["shape"] == [3]
 
 
 def test_a_simulated_node_serves_its_group_of_clients_per_node(tmp_path):
@@ -378,7 +387,7 @@ def test_a_simulated_node_serves_its_group_of_clients_per_node(tmp_path):
     sim = _same_as_simulator(cfg, records, tmp_path / "run")
     _node_states_are_the_simulators(grid, deployment, sim)
     assert deployment.clients_of == {40: [0, 1], 41: [2, 3]}
-    assert any(kind == fl.SETUP for _, kind, _ in grid.sent)
+    assert any(kind == wire.SETUP for _, kind, _ in grid.sent)
     _only_own_clients(grid, deployment)
 
 
@@ -399,7 +408,7 @@ def test_the_server_keeps_a_client_claimed_twice_on_its_first_node(tmp_path, cap
 
 def test_a_node_refuses_a_message_for_a_client_it_does_not_serve():
     cfg = load_config(None, FEDPER)
-    fl._RUNTIMES.clear()
+    client_side._RUNTIMES.clear()
     ctx = Context(
         run_id=5,
         node_id=9,
@@ -407,17 +416,17 @@ def test_a_node_refuses_a_message_for_a_client_it_does_not_serve():
         state=RecordDict(),
         run_config=experiment_run_config(cfg),
     )
-    content = RecordDict({fl.CONFIG: ConfigRecord({"round": 1, "client-ids": [1, 2]})})
-    msg = Message(content, 9, fl.TRAIN)
+    content = RecordDict({wire.CONFIG: ConfigRecord({"round": 1, "client-ids": [1, 2]})})
+    msg = Message(content, 9, wire.TRAIN)
     msg.metadata.__dict__["_message_id"] = "m" * 64
     with pytest.raises(ConfigError, match=r"clients \[1, 2\]; this node serves \[0, 1\]"):
-        fl.client_app(msg, ctx)
+        client_side.client_app(msg, ctx)
     # a message that names no clients (not the group format): refused too, in one line
-    msg = Message(RecordDict({fl.CONFIG: ConfigRecord({"round": 1})}), 9, fl.TRAIN)
+    msg = Message(RecordDict({wire.CONFIG: ConfigRecord({"round": 1})}), 9, wire.TRAIN)
     msg.metadata.__dict__["_message_id"] = "m" * 64
     with pytest.raises(ConfigError, match=r"naming no clients .* clients \[0, 1\]"):
-        fl.client_app(msg, ctx)
-    fl._RUNTIMES.clear()
+        client_side.client_app(msg, ctx)
+    client_side._RUNTIMES.clear()
 
 
 # -- real SuperNode processes ---------------------------------------------------------------------
@@ -453,8 +462,8 @@ def test_flower_local_with_two_clients_per_node_gives_the_simulators_metrics(tmp
         d.stop()
         assert not [p.pid for p in d.processes if _group_alive(p.pid)]
     _same_as_simulator(cfg, read_metrics(tmp_path / "run"))
-    wire = _wire(tmp_path / "run")
-    nodes = {w["node"]: set() for w in wire}
-    for w in wire:
+    log = _wire(tmp_path / "run")
+    nodes = {w["node"]: set() for w in log}
+    for w in log:
         nodes[w["node"]].add(w["client"])
     assert sorted(map(sorted, nodes.values())) == [[0, 1], [2, 3]]

@@ -16,14 +16,15 @@ pytest.importorskip("flwr", reason="Flower is not installed: pip install 'hyperf
 from flwr.app import Context, RecordDict  # noqa: E402
 
 from hyperfed.config import load_config  # noqa: E402
-from hyperfed.deploy import flower as fl  # noqa: E402
+from hyperfed.deploy import appconfig  # noqa: E402
+from hyperfed.deploy import node as client_side  # noqa: E402
+from hyperfed.deploy.appconfig import experiment_run_config  # noqa: E402
 from hyperfed.deploy.launch import (  # noqa: E402
     LONG_LIVED,
     PER_MESSAGE,
     DeployError,
     LocalDeployment,
     _group_alive,
-    experiment_run_config,
     remote_commands,
     supernode_command,
 )
@@ -70,21 +71,23 @@ def test_the_client_is_built_once_per_run_and_rebuilt_for_a_new_run(cfg, tmp_pat
     """Messages of one run reuse the built client (one build line); a new run id builds anew
     and drops the old run's client; the client's state still lives in context.state."""
     log = tmp_path / "builds.jsonl"
-    monkeypatch.setenv(fl.BUILD_LOG_ENV, str(log))
-    fl._RUNTIMES.clear()
+    monkeypatch.setenv(appconfig.BUILD_LOG_ENV, str(log))
+    client_side._RUNTIMES.clear()
     ctx = _context(cfg, 1, run_id=7)
-    first = fl._runtime(ctx)
+    first = client_side._runtime(ctx)
     msg = Simulation(cfg).server.configure_train(1, [1])[1]
     for rnd in (1, 2, 3):
-        assert fl._runtime(ctx) is first
+        assert client_side._runtime(ctx) is first
         first.fit(rnd, {1: msg}, ctx)
     assert [(b["run"], b["client"]) for b in _builds(log)] == [(7, 1)]
-    assert f"{fl.STATE}.1" in ctx.state.array_records  # the context's state, not the cache's
+    assert (
+        f"{client_side.STATE}.1" in ctx.state.array_records
+    )  # the context's state, not the cache's
 
-    other = fl._runtime(_context(cfg, 1, run_id=8))
+    other = client_side._runtime(_context(cfg, 1, run_id=8))
     assert other is not first
     assert [(b["run"], b["client"]) for b in _builds(log)] == [(7, 1), (8, 1)]
-    assert list(fl._RUNTIMES) == [(8, 1, cfg.clients.count)]  # run 7's client dropped
+    assert list(client_side._RUNTIMES) == [(8, 1, cfg.clients.count)]  # run 7's client dropped
 
 
 def test_the_cached_client_trains_as_a_fresh_one_would(cfg):
@@ -92,17 +95,17 @@ def test_the_cached_client_trains_as_a_fresh_one_would(cfg):
     per message does) from the same context state: caching changes no number."""
     import torch
 
-    fl._RUNTIMES.clear()
+    client_side._RUNTIMES.clear()
     msg = Simulation(cfg).server.configure_train(1, [0])[0]
     ctx = _context(cfg, 0, run_id=11)
-    cached = fl._runtime(ctx)
+    cached = client_side._runtime(ctx)
     cached.fit(1, {0: msg}, ctx)
-    key = f"{fl.STATE}.0"
+    key = f"{client_side.STATE}.0"
     state_after_1 = RecordDict({key: ctx.state.array_records[key]})
     fresh_ctx = _context(cfg, 0, run_id=12, state=state_after_1)
     got = cached.fit(2, {0: msg}, ctx)[0][0]
-    fl._RUNTIMES.clear()
-    want = fl._runtime(fresh_ctx).fit(2, {0: msg}, fresh_ctx)[0][0]
+    client_side._RUNTIMES.clear()
+    want = client_side._runtime(fresh_ctx).fit(2, {0: msg}, fresh_ctx)[0][0]
     assert set(got) == set(want)
     assert all(torch.equal(got[k], want[k]) for k in got)
 

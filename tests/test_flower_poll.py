@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="Flower is not installed: pip install 'hyperfed[flower]'")
 
-import hyperfed.deploy.flower as fl  # noqa: E402
+from hyperfed.deploy import server as server_side  # noqa: E402
 from hyperfed.deploy import supernode  # noqa: E402
 from hyperfed.deploy.launch import supernode_command  # noqa: E402
 
@@ -54,13 +54,13 @@ def test_the_server_pulls_on_the_schedule_until_every_message_is_answered(monkey
     """Replies ready at pulls 1, 3 and 4: four pulls; a reply restarts the schedule (Flower's
     loop waits 3 s each time), and every reply is returned once."""
     waits: list[float] = []
-    monkeypatch.setattr(fl.time, "sleep", waits.append)
+    monkeypatch.setattr(server_side.time, "sleep", waits.append)
     grid = _Grid([3, 1, 4])
-    replies = fl.send_and_receive(grid, ["a", "b", "c"], timeout=60.0, poll=0.1)  # type: ignore[arg-type]
+    replies = server_side.send_and_receive(grid, ["a", "b", "c"], timeout=60.0, poll=0.1)  # type: ignore[arg-type]
     assert sorted(r.metadata.reply_to_message_id for r in replies) == ["m0", "m1", "m2"]
     first = supernode.FIRST_POLL
     assert grid.pulls == 4 and waits == pytest.approx([first, first * 1.5, first])
-    assert first <= 0.01 and fl.POLL_INTERVAL <= 0.25
+    assert first <= 0.01 and supernode.POLL_INTERVAL <= 0.25
 
 
 def test_the_server_stops_pulling_at_the_timeout(monkeypatch):
@@ -74,10 +74,10 @@ def test_the_server_stops_pulling_at_the_timeout(monkeypatch):
         waits.append(s)
         now[0] += s
 
-    monkeypatch.setattr(fl.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(fl.time, "sleep", sleep)
+    monkeypatch.setattr(server_side.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(server_side.time, "sleep", sleep)
     grid = _Grid([1, 0])  # message 1 is never answered
-    replies = fl.send_and_receive(grid, ["a", "b"], timeout=1.0, poll=0.25)  # type: ignore[arg-type]
+    replies = server_side.send_and_receive(grid, ["a", "b"], timeout=1.0, poll=0.25)  # type: ignore[arg-type]
     assert [r.metadata.reply_to_message_id for r in replies] == ["m0"]
     assert waits == pytest.approx(_schedule(len(waits), supernode.FIRST_POLL, 0.25))
     assert waits[-1] == 0.25 and sum(waits[:-1]) < 1.0 <= sum(waits)

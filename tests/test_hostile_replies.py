@@ -252,12 +252,12 @@ def _garbage_record() -> Any:
     """A packed tensor record whose layout is not JSON."""
     import numpy as np
 
-    from hyperfed.deploy import flower as fl
+    from hyperfed.deploy import records as wire
 
     return flwr_app.ArrayRecord(
         {
-            fl.PACKED: flwr_app.Array(np.zeros(8, dtype=np.uint8)),
-            fl.LAYOUT: flwr_app.Array(np.frombuffer(b"{not json", dtype=np.uint8).copy()),
+            wire.PACKED: flwr_app.Array(np.zeros(8, dtype=np.uint8)),
+            wire.LAYOUT: flwr_app.Array(np.frombuffer(b"{not json", dtype=np.uint8).copy()),
         }
     )
 
@@ -274,32 +274,36 @@ def _garbage_record() -> Any:
 def test_a_training_record_that_cannot_be_decoded_is_a_rejected_reply(layout):
     import numpy as np
 
-    from hyperfed.deploy import flower as fl
+    from hyperfed.deploy import records as wire
+    from hyperfed.deploy import server as server_side
 
     if layout is None:
         record = _garbage_record()
     else:
-        record = fl._packed(np.zeros(16, dtype=np.uint8), layout)
-    good = fl.payload_to_record({"theta": torch.ones(4)})
-    bad = flwr_app.RecordDict({fl.PAYLOAD: record})
-    d = fl.Deployment.__new__(fl.Deployment)  # the transport's decoding only: no grid, no run
+        record = wire._packed(np.zeros(16, dtype=np.uint8), layout)
+    good = wire.payload_to_record({"theta": torch.ones(4)})
+    bad = flwr_app.RecordDict({wire.PAYLOAD: record})
+    d = server_side.Deployment.__new__(
+        server_side.Deployment
+    )  # the transport's decoding only: no grid, no run
     d.device = torch.device("cpu")
     d.exchange = lambda *args, **kwargs: {0: good, 1: bad}  # type: ignore[method-assign]
     got = d.fit(1, {0: {}, 1: {}})
     assert list(got.replies) == [0] and list(got.malformed) == [1]
     assert got.malformed[1].startswith("malformed record: ")
-    assert "malformed" in str(fl.describe(bad))  # the wire log describes it, without a crash
+    assert "malformed" in str(wire.describe(bad))  # the wire log describes it, without a crash
     got = d.setup(0, {0: {}, 1: {}})
     assert list(got.replies) == [0] and list(got.malformed) == [1]
 
 
 def test_an_evaluation_reply_with_a_field_missing_is_rejected_not_a_crash(caplog):
-    from hyperfed.deploy import flower as fl
+    from hyperfed.deploy import records as wire
+    from hyperfed.deploy import server as server_side
 
     def metrics(**m: float) -> Any:
-        return flwr_app.RecordDict({fl.METRICS: flwr_app.MetricRecord(m)})
+        return flwr_app.RecordDict({wire.METRICS: flwr_app.MetricRecord(m)})
 
-    d = fl.Deployment.__new__(fl.Deployment)
+    d = server_side.Deployment.__new__(server_side.Deployment)
     d.n, d.evaluated = 3, 0
     d.exchange = lambda *args, **kwargs: {  # type: ignore[method-assign]
         0: metrics(correct=3.0, total=4.0, loss_sum=1.0),
@@ -336,8 +340,10 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
     import numpy as np
     from test_flower_groups import InProcessGrid
 
-    from hyperfed.deploy import flower as fl
-    from hyperfed.deploy.launch import RC_CLIENTS_PER_NODE, experiment_run_config
+    from hyperfed.deploy import node as client_side
+    from hyperfed.deploy import records as wire
+    from hyperfed.deploy import server as server_side
+    from hyperfed.deploy.appconfig import RunSettings, experiment_run_config
     from hyperfed.runtime.rundir import read_metrics
 
     class Hostile(InProcessGrid):
@@ -348,30 +354,35 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
                 reply = self.replies[mid]
                 # node n serves client n - 11: its reply is a group message of that one client
                 cid = node - 11
-                whole = fl.unbundle(reply.content)
-                payload, metrics = fl.client_key(fl.PAYLOAD, cid), fl.client_key(fl.METRICS, cid)
-                rnd = msg.content.config_records.get(fl.CONFIG, {}).get("round")
-                if kind == fl.JOIN and node == 15:
-                    reply.content[fl.BUNDLED_ARRAYS] = _garbage_record()
+                whole = wire.unbundle(reply.content)
+                payload, metrics = (
+                    wire.client_key(wire.PAYLOAD, cid),
+                    wire.client_key(wire.METRICS, cid),
+                )
+                rnd = msg.content.config_records.get(wire.CONFIG, {}).get("round")
+                if kind == wire.JOIN and node == 15:
+                    reply.content[wire.BUNDLED_ARRAYS] = _garbage_record()
                     continue
-                if kind == fl.JOIN and node == 13:
-                    forged = fl.record_to_payload(fl.client_view(whole, cid))
+                if kind == wire.JOIN and node == 13:
+                    forged = wire.record_to_payload(wire.client_view(whole, cid))
                     forged["num_samples"] = torch.tensor(2**62)
-                    whole[payload] = fl.pack_tensors(forged)
-                elif kind == fl.TRAIN and node == 14 and rnd == 1:
+                    whole[payload] = wire.pack_tensors(forged)
+                elif kind == wire.TRAIN and node == 14 and rnd == 1:
                     # a layout of 400 floats over 16 bytes: this client's record cannot be read
-                    whole[payload] = fl._packed(
+                    whole[payload] = wire._packed(
                         np.zeros(16, np.uint8), [["theta", "float32", [400]]]
                     )
-                elif kind == fl.TRAIN and node == 14:
-                    theta = fl.record_to_payload(fl.client_view(whole, cid))["theta"]
-                    whole[payload] = fl.pack_tensors({"theta": theta + 1e12 / theta.numel() ** 0.5})
-                elif kind == fl.EVALUATE and node == 14:
+                elif kind == wire.TRAIN and node == 14:
+                    theta = wire.record_to_payload(wire.client_view(whole, cid))["theta"]
+                    whole[payload] = wire.pack_tensors(
+                        {"theta": theta + 1e12 / theta.numel() ** 0.5}
+                    )
+                elif kind == wire.EVALUATE and node == 14:
                     m = whole[metrics]
                     whole[metrics] = flwr_app.MetricRecord({**m, "correct": 50 * m["total"]})
                 else:
                     continue
-                reply.content = fl.bundle(whole)
+                reply.content = wire.bundle(whole)
             return ids
 
     cfg = load_config(
@@ -391,20 +402,15 @@ def test_a_deployment_with_a_hostile_node_runs_to_the_end_with_the_honest_ones(
             "local.batch_size=32",
         ],
     )
-    fl._RUNTIMES.clear()
-    run_config = {
-        **experiment_run_config(cfg),
-        fl.RC_RUN_DIR: str(tmp_path / "run"),
-        RC_CLIENTS_PER_NODE: 1,
-        fl.RC_MIN_NODES: 5,
-        fl.RC_JOIN_TIMEOUT: 5.0,
-    }
+    client_side._RUNTIMES.clear()
+    settings = RunSettings(run_dir=str(tmp_path / "run"), min_nodes=5, join_timeout=5.0)
+    run_config = {**experiment_run_config(cfg), **settings.to_run_config()}
     nodes = {11 + c: {"partition-id": c, "num-partitions": 5} for c in range(5)}
     grid = Hostile(run_config, nodes)
     try:
-        records = fl.Deployment(grid, run_config).run()  # type: ignore[arg-type]
+        records = server_side.Deployment(grid, run_config).run()  # type: ignore[arg-type]
     finally:
-        fl._RUNTIMES.clear()
+        client_side._RUNTIMES.clear()
     assert [r["round"] for r in records] == [1, 2]
     assert [r["round"] for r in read_metrics(tmp_path / "run")] == [1, 2]
     for r in records:  # client 2 (node 13) never joined; client 3 (node 14) rejected throughout

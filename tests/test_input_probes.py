@@ -130,8 +130,7 @@ def test_flower_refuses_the_poisoning_harness(
 def test_a_flower_run_config_with_an_attack_is_refused() -> None:
     """``flwr run --run-config "attack.kind='sign_flip'"`` reaches the ServerApp and nodes."""
     pytest.importorskip("flwr")
-    from hyperfed.deploy.flower import config_from_run_config
-    from hyperfed.deploy.launch import experiment_run_config
+    from hyperfed.deploy.appconfig import config_from_run_config, experiment_run_config
 
     run_config = experiment_run_config(load_config(None, SMALL))
     assert config_from_run_config(run_config).attack.kind == "none"
@@ -338,14 +337,14 @@ def test_the_flower_server_state_on_a_full_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     pytest.importorskip("flwr")
-    from hyperfed.deploy import flower as fl
+    from hyperfed.deploy import server as server_side
 
-    path = tmp_path / fl.SERVER_STATE
-    assert fl.save_server_state(path, {"round": 1, "w": torch.ones(3)})
+    path = tmp_path / server_side.SERVER_STATE
+    assert server_side.save_server_state(path, {"round": 1, "w": torch.ones(3)})
     before = path.read_bytes()
     _disk_full(monkeypatch)
     with caplog.at_level(logging.ERROR, logger="hyperfed.flower"):
-        assert not fl.save_server_state(path, {"round": 2, "w": torch.ones(3)})
+        assert not server_side.save_server_state(path, {"round": 2, "w": torch.ones(3)})
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert "file write failed" in lines[0] and "previous server state is kept" in lines[0]
@@ -356,10 +355,10 @@ def test_a_flower_checkpoint_on_a_full_disk_keeps_the_last_one_and_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     pytest.importorskip("flwr")
-    from hyperfed.deploy import flower as fl
+    from hyperfed.deploy import server as server_side
 
     failed: list[int] = []
-    run = fl.ServerRunDir(tmp_path, lambda: failed.append(1))
+    run = server_side.ServerRunDir(tmp_path, lambda: failed.append(1))
     (tmp_path / "config.toml").write_text("rounds = 2\n")
     run.save_checkpoint({"round": 1, "w": torch.ones(3)})
     _disk_full(monkeypatch)

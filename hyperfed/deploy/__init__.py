@@ -1,8 +1,16 @@
-"""Deployment over the network with Flower (``pip install hyperfed[flower]``).
+"""Deployment over the network with Flower (``pip install hyperfed[flower]``), one module per
+concern:
 
-``hyperfed.deploy.flower`` holds the Flower ``ServerApp`` / ``ClientApp`` that run any
-centralized algorithm from a config file (it imports ``flwr``); ``hyperfed.deploy.launch``
-writes the Flower app folder and starts a loopback deployment (SuperLink + SuperNodes as
-processes) and needs ``flwr`` only in the processes it starts. Importing ``hyperfed`` never
-imports ``flwr``.
+- ``appconfig``: hyperfed's run-config keys, the experiment as run-config keys, which clients a
+  node serves, the Flower app folder (no ``flwr``);
+- ``records``: message types, the payload <-> record codec, the group message;
+- ``node``: the ``ClientApp`` and the clients a node serves;
+- ``server``: the ``ServerApp`` and the round driver's transport over Flower;
+- ``flower``: the app's components (``hyperfed.deploy.flower:server_app`` / ``:client_app``);
+- ``launch``: the processes of a loopback deployment (SuperLink + SuperNodes), which need
+  ``flwr`` only in the processes it starts; ``supernode`` / ``clientapp``: those processes;
+  ``secure``: TLS and SuperNode authentication material; ``cli``: ``hyperfed flower``.
+
+The Flower runtime (``node``, ``server``) never imports the launcher. Importing ``hyperfed``
+never imports ``flwr``.
 """

@@ -74,7 +74,7 @@ def _need_flower() -> None:
 
 def _load(config: Path | None, set_: list[str] | None):  # type: ignore[no-untyped-def]
     from hyperfed.config import load_config
-    from hyperfed.deploy.launch import flower_algorithm
+    from hyperfed.deploy.appconfig import flower_algorithm
 
     try:
         cfg = load_config(config, set_ or [])
@@ -362,7 +362,8 @@ def app_(
 ) -> None:
     """Write the Flower app folder for a real multi-machine deployment and print the
     flower-superlink / flower-supernode / flwr run commands."""
-    from hyperfed.deploy.launch import remote_commands, write_app
+    from hyperfed.deploy.appconfig import RunSettings, write_app
+    from hyperfed.deploy.launch import remote_commands
 
     cfg = _load(config, set_)
     groups = _groups(cfg, clients_per_node)
@@ -386,15 +387,14 @@ def app_(
         except OSError as e:
             fail(f"--secure-dir {folder}: cannot write there ({e.strerror or e})")
     try:
-        path = write_app(
-            out,
-            cfg,
-            run_dir=run_dir,
+        settings = RunSettings(
+            run_dir=run_dir or "",
             min_nodes=min_nodes,
             join_timeout=join_timeout,
             round_timeout=round_timeout,
             clients_per_node=clients_per_node,
         )
+        path = write_app(out, cfg, settings)
     except OSError as e:
         fail(f"--out {out}: cannot write the Flower app there ({e.strerror or e})")
     console.print(f"wrote {path / 'pyproject.toml'}", highlight=False)

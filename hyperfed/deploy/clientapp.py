@@ -8,7 +8,7 @@ task token and exits): Python and torch start, and the client is rebuilt, every 
 acquires each ``flwr-clientapp`` task the SuperNode hands out (as ``flower-superexec`` does)
 and runs it *in this process* (as ``flwr-clientapp`` does: pull message + context, call the
 ClientApp, push reply + context, report the task's status), then waits for the next one, so
-:data:`hyperfed.deploy.flower._RUNTIMES` keeps the built client between messages.
+:data:`hyperfed.deploy.node._RUNTIMES` keeps the built client between messages.
 
 The client's persistent state still travels in ``context.state`` (the SuperNode keeps it
 between messages), exactly as with a fresh process per message.

@@ -1,8 +1,9 @@
-"""The Flower app folder, and a loopback deployment of it as real processes.
+"""The processes of a Flower deployment: a loopback deployment, and the commands of one on
+several machines.
 
-:func:`write_app` writes a Flower app (``pyproject.toml`` only: its components point at
-``hyperfed.deploy.flower``) whose run config carries the experiment config as text, so the
-SuperLink ships it to every node with the run. :class:`LocalDeployment` starts one
+:class:`LocalDeployment` writes the Flower app folder (:func:`hyperfed.deploy.appconfig.
+write_app`: its run config carries the experiment, so the SuperLink ships it to every node
+with the run), starts one
 ``flower-superlink`` and N ``flower-supernode`` processes on 127.0.0.1 (free ports, each in
 its own process group and ``FLWR_HOME``), submits the app with ``flwr run``, follows the run
 with ``flwr list --format json`` (``flwr run`` exits 0 even when the run fails) and stops
@@ -29,15 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hyperfed.deploy.appconfig import (
+    BUILD_LOG_ENV,
+    RunSettings,
+    format_partition_ids,
+    node_groups,
+    write_app,
+)
 from hyperfed.deploy.supernode import POLL_INTERVAL
 
 if TYPE_CHECKING:
-    from hyperfed.algorithms.base import Algorithm
     from hyperfed.config import ExperimentConfig
     from hyperfed.deploy.secure import SecureMaterial
 
-SERVERAPP = "hyperfed.deploy.flower:server_app"
-CLIENTAPP = "hyperfed.deploy.flower:client_app"
 CONNECTION = "hyperfed-local"  # the SuperLink connection name written for `flwr run`
 # how a SuperNode runs its ClientApp: one long-lived hyperfed.deploy.clientapp process beside
 # it (`--isolation process`), or Flower's fresh flwr-clientapp process per message
@@ -58,215 +63,12 @@ class DeployError(RuntimeError):
     """A deployment that could not start or did not complete (message says why)."""
 
 
-def check_deployable(cfg: ExperimentConfig) -> None:
-    """Refuse what only the simulator does: the poisoning harness (``[attack]``) changes the
-    simulated clients' replies; a deployment's clients are real nodes, so it would be
-    silently ignored there. Raises a one-line :class:`~hyperfed.config.ConfigError`."""
-    from hyperfed.config import ConfigError
-
-    if cfg.attack.kind != "none":
-        raise ConfigError(
-            f"attack.kind = {cfg.attack.kind}: the poisoning harness ([attack]) is "
-            "simulation-only (hyperfed run); a Flower deployment's clients are real nodes. "
-            "Remove [attack] (or set attack.kind = none) to deploy"
-        )
-
-
-def flower_algorithm(cfg: ExperimentConfig) -> Algorithm:
-    """The config's algorithm; Flower runs every kind: a centralized one with a server that
-    aggregates, a decentralized one with a server that only relays neighbours' payloads.
-    A config only the simulator can run (:func:`check_deployable`) is refused."""
-    from hyperfed.algorithms import get_algorithm
-    from hyperfed.runtime.federation import check_architectures
-
-    check_deployable(cfg)
-    algorithm = get_algorithm(cfg.algorithm.name)
-    check_architectures(algorithm, cfg.clients.assignment(cfg.seed))
-    return algorithm
-
-
 def flwr_available() -> bool:
     try:
         import flwr  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-# hyperfed's own run-config keys (hyphenated; the experiment's keys use underscores)
-RC_RUN_DIR = "run-dir"
-RC_MIN_NODES = "min-nodes"
-RC_JOIN_TIMEOUT = "join-timeout"
-RC_ROUND_TIMEOUT = "round-timeout"
-RC_RESUME = "resume"
-RC_JSON_KEYS = "json-keys"  # experiment keys whose value is JSON text (lists, unset values)
-# a simulated SuperNode (node config partition-id=k, num-partitions=ceil(N/G)) serves the
-# clients k*G .. k*G+G-1: Flower's Simulation Engine numbers its nodes, not their clients
-RC_CLIENTS_PER_NODE = "clients-per-node"
-RUN_KEYS = (
-    RC_RUN_DIR,
-    RC_MIN_NODES,
-    RC_JOIN_TIMEOUT,
-    RC_ROUND_TIMEOUT,
-    RC_RESUME,
-    RC_JSON_KEYS,
-    RC_CLIENTS_PER_NODE,
-)
-
-
-# -- which clients a node serves ---------------------------------------------------------
-def parse_partition_ids(text: object, num_partitions: int) -> list[int]:
-    """The client ids of a node config's ``partition-ids``: ranges and single ids separated by
-    commas ("0-9", "0,3,5", "0-4,9"), each in [0, num_partitions), none twice; sorted.
-    Raises :class:`~hyperfed.config.ConfigError` with a one-line message on bad input."""
-    from hyperfed.config import ConfigError
-
-    spec = str(text).strip()
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(
-            f"node config partition-ids={spec!r}: {why}; write ids and ranges in "
-            f"[0, {num_partitions}) separated by commas, e.g. '0-9' or '0,3,5' or '0-4,9'"
-        )
-
-    if not spec:
-        raise bad("empty")
-    ids: list[int] = []
-    for part in spec.split(","):
-        lo, dash, hi = part.strip().partition("-")
-        try:
-            a = int(lo)
-            b = int(hi) if dash else a
-        except ValueError:
-            raise bad(f"{part.strip()!r} is not an integer or a range a-b") from None
-        if b < a:
-            raise bad(f"range {part.strip()!r} runs backwards")
-        if a < 0 or b >= num_partitions:
-            raise bad(f"{part.strip()!r} is out of range")
-        ids.extend(range(a, b + 1))
-    if len(set(ids)) != len(ids):
-        twice = sorted({i for i in ids if ids.count(i) > 1})
-        raise bad(f"ids {twice} appear more than once")
-    return sorted(ids)
-
-
-def format_partition_ids(ids: Sequence[int]) -> str:
-    """Inverse of :func:`parse_partition_ids` (sorted, runs written as ranges)."""
-    out: list[str] = []
-    ids = sorted(ids)
-    start = 0
-    for k in range(1, len(ids) + 1):
-        if k == len(ids) or ids[k] != ids[k - 1] + 1:
-            a, b = ids[start], ids[k - 1]
-            out.append(str(a) if a == b else f"{a}-{b}")
-            start = k
-    return ",".join(out)
-
-
-def node_groups(num_clients: int, clients_per_node: int) -> list[list[int]]:
-    """Clients 0..N-1 in consecutive groups of ``clients_per_node`` (the last may be shorter):
-    node ``k`` serves ``k*G .. min(k*G+G, N)-1``; ceil(N/G) nodes."""
-    if clients_per_node < 1:
-        raise ValueError(f"clients_per_node={clients_per_node}: must be >= 1")
-    g = clients_per_node
-    return [list(range(k, min(k + g, num_clients))) for k in range(0, num_clients, g)]
-
-
-def experiment_run_config(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The experiment as Flower run-config keys, one per setting (``rounds``,
-    ``algorithm.name``, ``local.lr``, ...), so ``flwr run APP --run-config "rounds=50"``
-    changes it. Flower's values are bool / int / float / str: a list or an unset value is
-    JSON text, its key listed under ``json-keys``."""
-    from hyperfed.config import flat_keys
-
-    flat = flat_keys(cfg.model_dump())
-    json_keys = sorted(k for k, v in flat.items() if v is None or isinstance(v, list | tuple))
-    out = {k: json.dumps(v) if k in json_keys else v for k, v in flat.items()}
-    out[RC_JSON_KEYS] = ",".join(json_keys)
-    return out
-
-
-def experiment_from_run_config(run_config: dict[str, Any]) -> dict[str, Any]:
-    """The nested experiment dict back from (flat or nested) run-config keys: hyperfed's run
-    keys dropped, JSON text of ``json-keys`` decoded (a plain string stays a string, so
-    ``--run-config 'clients.models="lenet"'`` works too)."""
-    from hyperfed.config import flat_keys, nested_keys
-
-    flat = flat_keys(run_config)
-    json_keys = set(filter(None, str(flat.get(RC_JSON_KEYS, "")).split(",")))
-    settings: dict[str, Any] = {}
-    for key, value in flat.items():
-        if key in RUN_KEYS:
-            continue
-        if key in json_keys and isinstance(value, str):
-            with contextlib.suppress(json.JSONDecodeError):
-                value = json.loads(value)
-        if value is not None:
-            settings[key] = value
-    return nested_keys(settings)
-
-
-def write_app(
-    app_dir: str | Path,
-    cfg: ExperimentConfig,
-    *,
-    run_dir: str | Path | None = None,
-    min_nodes: int = 0,
-    join_timeout: float = 300.0,
-    round_timeout: float = 600.0,
-    resume: bool = False,
-    clients_per_node: int = 1,
-) -> Path:
-    """Write the Flower app folder for an experiment config; returns the folder.
-
-    The app's ``[tool.flwr.app.config]`` holds every setting of the experiment as its own key
-    (:func:`experiment_run_config`) beside hyperfed's run keys: ``run-dir`` is where the
-    ServerApp writes metrics.jsonl / summary.md on the SuperLink's machine (default
-    ``runs/<time>-flower-<algorithm>`` under the SuperLink's working folder); ``min-nodes``
-    how many SuperNodes the server waits for (0: ``clients.count``, or ceil(clients.count /
-    ``clients-per-node``)); ``resume`` continues the run directory's last checkpoint;
-    ``clients-per-node`` G: a simulated SuperNode ``k`` serves clients ``k*G .. k*G+G-1``
-    (:func:`node_groups`; deployed nodes name theirs in ``partition-ids``)."""
-    import tomli_w
-
-    app = Path(app_dir)
-    app.mkdir(parents=True, exist_ok=True)
-    run_config: dict[str, Any] = {
-        RC_RUN_DIR: "" if run_dir is None else str(run_dir),
-        RC_MIN_NODES: int(min_nodes),
-        RC_JOIN_TIMEOUT: float(join_timeout),
-        RC_ROUND_TIMEOUT: float(round_timeout),
-        RC_RESUME: bool(resume),
-        RC_CLIENTS_PER_NODE: int(clients_per_node),
-    }
-    from hyperfed.config import nested_keys
-
-    nested = nested_keys(experiment_run_config(cfg))
-    config_table = tomli_w.dumps({"tool": {"flwr": {"app": {"config": {**run_config, **nested}}}}})
-    text = f"""# Flower app for hyperfed (written by `hyperfed flower`); run it with `flwr run`.
-# Every experiment setting is a run-config key: flwr run APP --run-config "rounds=50"
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "hyperfed-app"
-version = "1.0.0"
-description = "hyperfed: personalized federated learning with hypernetworks, on Flower"
-license = "Apache-2.0"
-# hyperfed[flower] must be installed on the SuperLink's and every SuperNode's machine
-dependencies = ["hyperfed[flower]"]
-
-[tool.flwr.app]
-publisher = "hyperfed"
-
-[tool.flwr.app.components]
-serverapp = "{SERVERAPP}"
-clientapp = "{CLIENTAPP}"
-
-{config_table}"""
-    (app / "pyproject.toml").write_text(text)
-    return app
 
 
 def free_port() -> int:
@@ -576,8 +378,8 @@ class LocalDeployment:
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["OMP_NUM_THREADS"] = str(self.threads)
         env["MKL_NUM_THREADS"] = str(self.threads)
-        # every ClientApp process notes each client it builds (hyperfed.deploy.flower)
-        env["HYPERFED_BUILD_LOG"] = str(self.workdir / "logs" / "builds.jsonl")
+        # every ClientApp process notes each client it builds (hyperfed.deploy.node)
+        env[BUILD_LOG_ENV] = str(self.workdir / "logs" / "builds.jsonl")
         if self.simulated is not None and self.simulated.ray_address:
             env["RAY_ADDRESS"] = self.simulated.ray_address  # ray.init() attaches to it
         return env
@@ -734,16 +536,15 @@ class LocalDeployment:
 
     def submit(self) -> int:
         """Write the app and ``flwr run`` it; returns the run id."""
-        write_app(
-            self.app_dir,
-            self.cfg,
-            run_dir=self.run_dir.resolve(),
+        settings = RunSettings(
+            run_dir=str(self.run_dir.resolve()),
             min_nodes=self.nodes,
             join_timeout=self.join_timeout,
             round_timeout=self.round_timeout,
             resume=self.resume,
             clients_per_node=self.clients_per_node,
         )
+        write_app(self.app_dir, self.cfg, settings)
         federation = []
         if self.simulated is not None:
             federation = ["--federation-config", self.simulated.federation_config(self.nodes)]

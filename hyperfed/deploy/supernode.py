@@ -9,7 +9,7 @@ Flower 1.42 waits in three places that a loopback round of milliseconds' trainin
   ... up to 10 s, when an object has not arrived yet -- and the sender pushes a message
   before its objects, so the first try usually misses by a few milliseconds;
 - the ServerApp's ``Grid.send_and_receive`` sleeps 3 s between pulls
-  (:func:`hyperfed.deploy.flower.send_and_receive` replaces it).
+  (:func:`hyperfed.deploy.server.send_and_receive` replaces it).
 
 FedPer, 10 digits clients, one node each: 13.9 s a round deployed with Flower's waits against
 0.37 s on the Simulation Engine. This module runs the same SuperNode

@@ -40,7 +40,7 @@ CHECKPOINT = "checkpoint.pt"
 SUMMARY = "summary.md"
 CHECKPOINT_FORMAT = "hyperfed-checkpoint-1"
 # a run's files hyperfed writes through a temp file (atomic_write_bytes); server_state.pt: the
-# Flower server's final state (hyperfed.deploy.flower.SERVER_STATE)
+# Flower server's final state (hyperfed.deploy.server.SERVER_STATE)
 ATOMIC_FILES = (CHECKPOINT, CONFIG, METRICS, "server_state.pt")
 # the temp file of one of them: mkstemp's ".<name>." prefix and its 8 random characters
 _TEMP_NAME = re.compile(
