@@ -92,12 +92,18 @@ def test_resampled_random_graph_changes_per_round() -> None:
 
 
 def test_gossip_params_are_validated() -> None:
+    """The topology with its arguments in __post_init__; single fields by their annotations,
+    through the config path (one line naming the key)."""
+    from hyperfed.config import ConfigError, validate_hparams
+
     with pytest.raises(ValueError, match="topology must be one of"):
         GossipParams(topology="star")
-    with pytest.raises(ValueError, match="p must be"):
-        GossipParams(p=1.5)
-    with pytest.raises(ValueError, match="weights must be"):
-        GossipParams(weights="max")
+    with pytest.raises(ConfigError, match=r"^algorithm\.p: allowed: .*1.*\(got 1\.5\)"):
+        validate_hparams(GossipParams, {"p": 1.5})
+    with pytest.raises(ConfigError, match=r"^algorithm\.weights: .*metropolis.*uniform"):
+        validate_hparams(GossipParams, {"weights": "max"})
+    with pytest.raises(ConfigError, match=r"^algorithm\.k: allowed: .*\(got 0\)"):
+        validate_hparams(GossipParams, {"k": 0})
 
 
 def test_regular_gives_every_client_k_neighbours_redrawn_each_round() -> None:

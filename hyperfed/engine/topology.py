@@ -57,13 +57,13 @@ import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from hyperfed.hparams import chosen, paper
+from hyperfed.hparams import Count, Unit, chosen, paper
 
 TOPOLOGIES = ("ring", "grid", "exponential", "full", "random", "regular")
 WEIGHTS = ("metropolis", "uniform")
@@ -340,19 +340,15 @@ class GossipParams:
     # networkx:<generator> only: its keyword arguments (n and seed are filled in)
     graph_args: dict[str, Any] = chosen({}, "none: the generator's own defaults")
     # edge probability of the random graph
-    p: float = chosen(0.5, "seed 004 gives no p")
+    p: Unit = chosen(0.5, "seed 004 gives no p")
     # or "uniform" (max-degree)
-    weights: str = chosen("metropolis", "Definition 1 only constrains W; Metropolis meets it")
+    weights: Literal["metropolis", "uniform"] = chosen(
+        "metropolis", "Definition 1 only constrains W; Metropolis meets it"
+    )
     # random / regular topology: draw a new graph every round (time-varying)
     resample: bool = chosen(False, "fixed graph; seed 004 §5.2's setting: regular + true")
     # regular topology: neighbours per client
-    k: int = paper(10, "seed 004 §5.2 (10 neighbours per round)")
+    k: Count = paper(10, "seed 004 §5.2 (10 neighbours per round)")
 
     def __post_init__(self) -> None:
-        check_topology(self.topology, self.graph_args)
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (got {self.weights!r})")
-        if not 0 <= self.p <= 1:
-            raise ValueError(f"p must be in [0, 1] (got {self.p})")
-        if self.k < 1:
-            raise ValueError(f"k (neighbours per client) must be >= 1 (got {self.k})")
+        check_topology(self.topology, self.graph_args)  # the topology and its arguments together
