@@ -1,4 +1,7 @@
-"""``hyperfed flower ...``: deploy an experiment with Flower (a sub-command of ``hyperfed``)."""
+"""``hyperfed flower ...``: deploy an experiment with Flower (a sub-command of ``hyperfed``).
+
+Errors a user can cause (a :class:`~hyperfed.errors.HyperfedError`) propagate to the command
+line's one error boundary (``hyperfed.cli``), which prints them and exits 2."""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from typing import Annotated
 
 import typer
 
-from hyperfed.errors import HyperfedError
 from hyperfed.terminal import console, fail, print_final
 
 flower_cli = typer.Typer(
@@ -73,15 +75,13 @@ def _need_flower() -> None:
 
 
 def _load(config: Path | None, set_: list[str] | None):  # type: ignore[no-untyped-def]
+    """The experiment config, refused (a HyperfedError: the CLI's one error boundary, in
+    hyperfed.cli, prints it) unless Flower can deploy it."""
     from hyperfed.config import load_config
     from hyperfed.deploy.appconfig import flower_algorithm
 
-    try:
-        cfg = load_config(config, set_ or [])
-        flower_algorithm(cfg)
-    except HyperfedError as e:
-        fail(str(e))
-        raise  # unreachable: _fail exits
+    cfg = load_config(config, set_ or [])
+    flower_algorithm(cfg)
     return cfg
 
 
@@ -228,26 +228,23 @@ def _launch(  # type: ignore[no-untyped-def]
     run_dir = (out or Path("runs") / f"{stamp}-{kind}-{cfg.algorithm.name}").absolute()
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"--out {out} is a file; choose a folder")
-    try:
-        # held by this process for the whole deployment: a second run on it is refused
-        with RunDir(run_dir).locked():
-            _deploy(
-                cfg,
-                run_dir,
-                n,
-                threads,
-                timeout,
-                round_timeout,
-                quiet,
-                resume,
-                simulated,
-                secure,
-                clientapp,
-                clients_per_node,
-                force,
-            )
-    except HyperfedError as e:
-        fail(str(e))
+    # held by this process for the whole deployment: a second run on it is refused
+    with RunDir(run_dir).locked():
+        _deploy(
+            cfg,
+            run_dir,
+            n,
+            threads,
+            timeout,
+            round_timeout,
+            quiet,
+            resume,
+            simulated,
+            secure,
+            clientapp,
+            clients_per_node,
+            force,
+        )
 
 
 def _deploy(  # type: ignore[no-untyped-def]
