@@ -638,6 +638,78 @@ def test_global_step_comes_before_the_personalized_steps():
     assert torch.equal(msgs[0]["global"], msgs[1]["global"])
 
 
+@pytest.mark.parametrize("hn_update", ["alg1", "mean"])
+def test_alg2_exchanges_w_g_first_then_the_personal_models_from_the_moved_hypernetwork(hn_update):
+    """global_exchange = "alg2" (Alg. 2 as printed; the authors' MH-pFedHNGD.py): a round is
+    first an exchange of w_g alone with every client and one step on sum_i m_i/M Delta w_g,i
+    (Eq. 6-7), then the personal exchange(s): theta_i generated from the hypernetwork that
+    step moved, each client distilling from the round-start w_g. Under "alg1" one step per
+    client at full weight, each theta_i generated after the previous step; under "mean" one
+    step on the average. Every step is computed by hand (plain SGD)."""
+    lr = 0.2
+    hp = MHPFedHNGDParams(**TINY, global_exchange="alg2", hn_update=hn_update)
+    server = _tiny_server({0: 12, 1: 4}, hp, samples={0: 30, 1: 10}, global_size=4, sgd_lr=lr)
+    p0 = _params(server.hnet)
+    exchanges = server.round_exchanges(1, [0, 1])
+    assert exchanges == ([[0, 1], [0], [1]] if hn_update == "alg1" else [[0, 1], [0, 1]])
+    g = torch.Generator().manual_seed(2)
+    rnd = lambda k: torch.randn(k, generator=g, dtype=torch.float64)  # noqa: E731
+    first = server.configure_train(1, exchanges[0])
+    assert all(set(m) == {"global"} for m in first.values())
+    w_g = first[0]["global"].clone()
+    assert torch.allclose(w_g, _theta_fn(server, GLOBAL)(p0), rtol=0, atol=1e-12)
+    assert server.reply_shapes(0) == {"global_delta": (4,)}
+    dw = {0: rnd(4), 1: rnd(4)}
+    server.aggregate(1, {c: {"global_delta": dw[c]} for c in (0, 1)})
+    weighted = 0.75 * dw[0] + 0.25 * dw[1]  # m = 30, 10
+    expected = sgd_expected(p0, lambda q: [_theta_fn(server, GLOBAL)(q)], [-weighted], lr)
+    _assert_params(server.hnet, expected)
+    deltas = {0: rnd(12), 1: rnd(4)}
+    for batch in exchanges[1:]:
+        msgs = server.configure_train(1, batch)
+        assert server.reply_shapes(batch[0]) == {"delta": (server.hnet.sizes[batch[0]],)}
+        for c, m in msgs.items():
+            assert set(m) == {"theta", "teacher"}
+            assert torch.equal(m["teacher"], w_g)  # the round-start w_g, not the moved one
+            assert torch.allclose(m["theta"], _theta_fn(server, c)(expected), rtol=0, atol=1e-12)
+        server.aggregate(1, {c: {"delta": deltas[c]} for c in batch})
+        share = 1 / len(batch)
+        outs = lambda q, b=batch: [_theta_fn(server, c)(q) for c in b]  # noqa: E731
+        expected = sgd_expected(expected, outs, [-deltas[c] * share for c in batch], lr)
+        _assert_params(server.hnet, expected)
+
+
+def test_alg2_round_through_the_driver_steps_w_g_once_and_sends_no_w_g_with_theta():
+    sim = _sim(
+        "mh_pfedhngd",
+        '"lenet"',
+        **{"algorithm.global_exchange": "alg2", "algorithm.hn_update": "alg1"},
+    )
+    server = sim.server
+    sent: list[tuple[list[int], set[str]]] = []
+    configure = server.configure_train
+
+    def spy(rnd, ids):
+        msgs = configure(rnd, ids)
+        sent.append((list(ids), {k for m in msgs.values() for k in m}))
+        return msgs
+
+    server.configure_train = spy
+    result = sim.run_round(1)
+    assert not result.rejected and result.replied == [0, 1, 2, 3]
+    assert sent == [([0, 1, 2, 3], {"global"})] + [([c], {"theta", "teacher"}) for c in range(4)]
+    steps = {id(p): int(st["step"]) for p, st in server.opt.state.items()}
+    # Eq. 6-7: one Adam step a round on v_g; one per client on each v_i; phi: 1 + 4
+    assert steps[id(server.hnet.embeddings["global"])] == 1
+    assert [steps[id(server.hnet.embeddings[str(c)])] for c in range(4)] == [1, 1, 1, 1]
+    assert steps[id(next(server.hnet.extractor.parameters()))] == 5
+
+
+def test_alg2_is_refused_with_partial_deployment():
+    with pytest.raises(ValueError, match="global_model_fraction"):
+        MHPFedHNGDParams(global_exchange="alg2", global_model_fraction=0.5)
+
+
 # -- the client side: one full-batch SGD step of a linear model, gradients in closed form ----
 def _linear_fm(seed: int) -> FunctionalModel:
     torch.manual_seed(seed)
@@ -772,6 +844,29 @@ def test_gd_client_step_is_eq8_with_received_global_as_teacher(weighting, t2, ce
         _logits(theta), t_logits, 2.0
     )
     assert torch.allclose(loss, by_hand, rtol=0, atol=1e-12)
+
+
+def test_alg2_client_trains_w_g_alone_then_distils_theta_from_the_teacher_it_is_sent():
+    """global_exchange = "alg2": the first exchange carries w_g alone (ClientUpdate1: the reply
+    is Delta w_g,i only); the personal exchange carries theta_i and the round-start w_g as
+    ``teacher`` (ClientUpdate2: Eq. 8 against that teacher, no second w_g training)."""
+    hp = MHPFedHNGDParams(
+        **TINY, global_model="linear", global_exchange="alg2", kd_lambda=0.3, temperature=2.0
+    )
+    student, teacher_fm = _linear_fm(1), _linear_fm(2)
+    theta, w_g = student.initial_params(), teacher_fm.initial_params()
+    client = _client(hp, teacher_fm)
+    state = client.init_state(student, 1)
+    reply, state, _ = client.fit(_hand_group(student, 0.5), {"global": w_g[None]}, state)
+    assert set(reply) == {"global_delta"}
+    assert torch.allclose(reply["global_delta"][0], -0.5 * hand_grad(w_g), rtol=0, atol=1e-12)
+    teacher = w_g + 0.3  # any teacher: the one sent is the one distilled from
+    msg = {"theta": theta[None], "teacher": teacher[None]}
+    reply, _, _ = client.fit(_hand_group(student, 0.5), msg, state)
+    assert set(reply) == {"delta"}
+    ce_w, kl_w = hp.kd_weights()  # kl_weight reading: 0.7 CE + 0.3 KL
+    expected = -0.5 * hand_grad(theta, _logits(teacher), ce_w, kl_w, T=2.0)
+    assert torch.allclose(reply["delta"][0], expected, rtol=0, atol=1e-12)
 
 
 def test_distillation_moves_the_student_toward_the_teacher_by_eta_grad_squared():

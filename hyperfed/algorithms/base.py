@@ -262,11 +262,12 @@ class Server:
     def aggregate_setup(self, stage: int, replies: dict[int, Payload]) -> None:
         return None
 
-    def client_by_client(self, rnd: int) -> bool:
-        """Whether round ``rnd`` runs client after client: the round's payloads configured,
-        trained and aggregated one client at a time, so each client is sent what the previous
-        client's aggregation made (seed 000's Alg. 1 loop). Default: one exchange a round."""
-        return False
+    def round_exchanges(self, rnd: int, client_ids: list[int]) -> list[list[int]]:
+        """The exchanges round ``rnd`` runs, in order, each a batch of ``client_ids`` whose
+        payloads are configured, trained and aggregated together, so a later exchange is sent
+        what the earlier ones' aggregation made (seed 000: Alg. 1's client-after-client loop,
+        Alg. 2's global-model exchange before it). Default: one exchange with every client."""
+        return [list(client_ids)]
 
     def eligible_clients(self, rnd: int) -> list[int] | None:
         """Clients that may be sampled this round (None: all). Lets a method hold clients
@@ -605,8 +606,8 @@ CLIENT_GROUPS = Capability(
 INSPECTION = Capability(
     "inspection (hyperfed attack)", ("model_updates", "shared_synthetic"), Server
 )
-CLIENT_BY_CLIENT = Capability("rounds client after client", ("client_by_client",), Server)
-SERVER_CAPABILITIES = (SETUP_STAGE, EVAL_EXCHANGE, CLIENT_GROUPS, INSPECTION, CLIENT_BY_CLIENT)
+SEVERAL_EXCHANGES = Capability("rounds of several exchanges", ("round_exchanges",), Server)
+SERVER_CAPABILITIES = (SETUP_STAGE, EVAL_EXCHANGE, CLIENT_GROUPS, INSPECTION, SEVERAL_EXCHANGES)
 CLIENT_SETUP = Capability("setup stage", ("setup",), Client)
 HEAVY_PHASES = Capability("heavy phases (timed before a run)", ("heavy_phases",), Client)
 GOSSIP = Capability("gossip (decentralized)", ("mix",), Client)

@@ -169,6 +169,12 @@ class MHPFedHNParams:
     )
     # G / GD: the lightweight global model's architecture
     global_model: str | None = paper(None, "seed 000 §3.2 (MH-pFedHN has none)")
+    # G / GD: "joint" sends w_g with theta_i in one exchange (its update reaches theta_i next
+    # round); "alg2" is Alg. 2 and the authors' loop: w_g alone to every client, one step on
+    # sum_i m_i/M Delta w_g,i, then the personal exchange(s), distilling from that w_g
+    global_exchange: Literal["joint", "alg2"] = chosen(
+        "joint", "one exchange a round; validation: docs/claims/000.md (C3)"
+    )
     # GD: distil the global model into the personalized model
     distill: bool = paper(False, "seed 000 §3.2 (no distillation)")
     # Table 15: the share C of clients that deploy the global model (the others: MH-pFedHN)
@@ -226,6 +232,11 @@ class MHPFedHNParams:
             raise ValueError("distill needs a global_model (e.g. 'lenet')")
         if self.global_model_fraction < 1 and not self.global_model:
             raise ValueError("global_model_fraction < 1 needs a global_model (mh_pfedhngd)")
+        if self.global_exchange == "alg2" and self.global_model_fraction < 1:
+            raise ValueError(
+                "global_exchange = 'alg2' runs with every client deploying the global model "
+                "(global_model_fraction = 1); Table 15's partial deployment uses 'joint'"
+            )
 
     def kd_weights(self) -> tuple[float, float]:
         """(weight of CE, weight of KL) in the distillation loss: Eq. 8 as printed,
@@ -304,6 +315,9 @@ class MHPFedHNServer(Server):
             )
         # §4.4: the new clients' own optimizer (the hypernetwork's Adam never steps them)
         self.adapt_opt = adam(self.adaptable_parameters(), hp.adapt_lr) if n_new else None
+        # global_exchange = "alg2": which exchange of the round comes next, and the round's w_g
+        self.phase: Literal["global", "personal"] = "personal"
+        self.round_global: Tensor | None = None
 
     @staticmethod
     def architecture_tags(clients: dict[int, Payload], sizes: dict[int, int]) -> dict[int, int]:
@@ -322,9 +336,17 @@ class MHPFedHNServer(Server):
                 tags[slot] = int(first["global_arch_id"]) if slot == GLOBAL else slot
         return tags
 
-    def client_by_client(self, rnd: int) -> bool:
+    def adapting(self, rnd: int) -> bool:
+        return self.adapt_from is not None and rnd >= self.adapt_from
+
+    def round_exchanges(self, rnd: int, client_ids: list[int]) -> list[list[int]]:
         # Alg. 1 (and the authors' loop): theta_i generated after the previous client's step
-        return bool(self.hp.hn_update == "alg1")
+        ids = list(client_ids)
+        personal = [[c] for c in ids] if self.hp.hn_update == "alg1" else [ids]
+        if self.hp.global_exchange == "joint" or not self.hp.global_model or self.adapting(rnd):
+            return personal
+        self.phase = "global"  # Alg. 2: w_g's exchange with every client comes first
+        return [ids, *personal]
 
     def eligible_clients(self, rnd: int) -> list[int] | None:
         if self.adapt_from is None:
@@ -351,6 +373,21 @@ class MHPFedHNServer(Server):
 
     @torch.no_grad()
     def configure_train(self, rnd: int, client_ids: list[int]) -> dict[int, Payload]:
+        if self.hp.global_exchange == "joint" or not self.hp.global_model:
+            return self.joint_messages(client_ids)
+        if self.phase == "global":  # Alg. 2, ClientUpdate1: w_g alone
+            self.round_global = self.hnet.generate([GLOBAL])[GLOBAL]
+            return {c: {"global": self.round_global} for c in client_ids}
+        thetas = self.hnet.generate(list(client_ids))
+        msgs: dict[int, Payload] = {c: {"theta": thetas[c]} for c in client_ids}
+        if self.hp.distill and self.round_global is not None:  # ClientUpdate2's teacher
+            for m in msgs.values():
+                m["teacher"] = self.round_global
+        return msgs
+
+    @torch.no_grad()
+    def joint_messages(self, client_ids: list[int]) -> dict[int, Payload]:
+        """theta_i, and w_g for G / GD, in one message."""
         wanted = list(client_ids) + ([GLOBAL] if self.hp.global_model else [])
         thetas = self.hnet.generate(wanted)
         msgs = {c: {"theta": thetas[c]} for c in client_ids}
@@ -369,12 +406,21 @@ class MHPFedHNServer(Server):
         return msgs
 
     def configure_eval(self, client_ids: list[int]) -> dict[int, Payload]:
-        return self.configure_train(0, client_ids)
+        return self.joint_messages(client_ids)
+
+    def expected_updates(self) -> tuple[bool, bool]:
+        """Whether this exchange's replies carry (Delta theta_i, Delta w_g)."""
+        if not self.hp.global_model:
+            return True, False
+        if self.hp.global_exchange == "joint":
+            return True, True
+        return self.phase == "personal", self.phase == "global"
 
     def reply_shapes(self, client_id: int) -> dict[str, tuple[int, ...]]:
         """Delta theta_i (and Delta w_g for G/GD), dense or as top-k indices and values."""
-        updates = [("delta", self.hnet.sizes[client_id])]
-        if self.hp.global_model:
+        personal, global_ = self.expected_updates()
+        updates = [("delta", self.hnet.sizes[client_id])] if personal else []
+        if global_:
             updates.append(("global_delta", self.hnet.sizes[GLOBAL]))
         shapes: dict[str, tuple[int, ...]] = {}
         for name, length in updates:
@@ -386,8 +432,9 @@ class MHPFedHNServer(Server):
         return shapes
 
     def check_reply(self, client_id: int, reply: Payload) -> str | None:
-        problem = check_update(reply, "delta", self.hnet.sizes[client_id])
-        if problem is None and self.hp.global_model:
+        personal, global_ = self.expected_updates()
+        problem = check_update(reply, "delta", self.hnet.sizes[client_id]) if personal else None
+        if problem is None and global_:
             problem = check_update(reply, "global_delta", self.hnet.sizes[GLOBAL])
         return problem or super().check_reply(client_id, reply)
 
@@ -446,24 +493,28 @@ class MHPFedHNServer(Server):
             own[c].grad = grad
 
     def aggregate(self, rnd: int, replies: dict[int, Payload]) -> None:
+        personal, global_ = self.expected_updates()
+        self.phase = "personal"  # Alg. 2: the personal exchange(s) follow w_g's
         if not replies:
             return
         sizes = self.hnet.sizes
-        adapting = self.adapt_from is not None and rnd >= self.adapt_from
+        adapting = self.adapting(rnd)
         # Alg. 2: phi and v_g from sum_i m_i/M Delta w_g,i, over the clients that deploy the
         # global model (Table 15; all of them by default): the others' global_delta is ignored
         users = set(self.global_users)
         holders = [c for c in replies if c in users]
         rule = self.ctx.aggregation
-        if self.hp.global_model and not adapting and holders:
+        if global_ and not adapting and holders:
             m = torch.tensor([float(self.clients[c]["num_samples"]) for c in holders])
             deltas = [decode_update(replies[c], "global_delta", sizes[GLOBAL]) for c in holders]
             dw = robust_average(torch.stack(deltas), m.to(deltas[0].device), rule)
             self.ctx.averaged = True
             self._step({GLOBAL: -dw})
+        if not personal:
+            return
         # minus sign: the generated theta_i moves toward the trained theta~_i
         grads = {c: -decode_update(r, "delta", sizes[c]) for c, r in replies.items()}
-        if self.hp.hn_update != "mean":  # alg1: one reply per call (client_by_client)
+        if self.hp.hn_update != "mean":  # alg1: one reply per call (round_exchanges)
             for c, g in grads.items():
                 self._step({c: g}, adapting)
         elif rule.aggregation != "mean" and not adapting and len(grads) > 1:
@@ -588,24 +639,28 @@ class MHPFedHNClient(Client):
         new_state = dict(state)
         loss_fn: LossFn = cross_entropy_loss
         ctx = None
-        if use_global:  # ClientUpdate1: train the received global model
+        if use_global and "global" in msg:  # ClientUpdate1: train the received global model
             assert self.global_fm is not None
-            w, gbuf, _ = group.train(
+            w, gbuf, global_loss = group.train(
                 msg["global"], state["global_buffers"], fm=self.global_fm, salt=1
             )
             reply.update(encode_update(w - msg["global"], hp.upload_fraction, "global_delta"))
             new_state["global_buffers"] = gbuf
-            if hp.distill:  # ClientUpdate2: the received global model is the teacher
-                ce_weight, kl_weight = hp.kd_weights()
-                loss_fn = partial(
-                    distillation_loss,
-                    teacher=self.global_fm,
-                    ce_weight=ce_weight,
-                    kl_weight=kl_weight,
-                    temperature=hp.temperature,
-                    kd_t2=hp.kd_t2,
-                )
-                ctx = {"teacher": msg["global"], "teacher_buffers": state["global_buffers"]}
+            if "theta" not in msg:  # Alg. 2's first exchange: w_g alone
+                return reply, new_state, global_loss
+        if use_global and hp.distill:  # ClientUpdate2: the round's w_g is the teacher
+            assert self.global_fm is not None
+            ce_weight, kl_weight = hp.kd_weights()
+            loss_fn = partial(
+                distillation_loss,
+                teacher=self.global_fm,
+                ce_weight=ce_weight,
+                kl_weight=kl_weight,
+                temperature=hp.temperature,
+                kd_t2=hp.kd_t2,
+            )
+            teacher = msg["teacher"] if "teacher" in msg else msg["global"]
+            ctx = {"teacher": teacher, "teacher_buffers": state["global_buffers"]}
         frozen = self.layer_mask(group, hp.frozen_layers)
         start = self._personalize(group, msg["theta"], state)
         theta, buffers, loss = group.train(

@@ -438,8 +438,8 @@ class RoundDriver:
         return accepted, sorted(problems)
 
     def _server_round(self, rnd: int, cids: list[int]) -> RoundResult:
-        # one exchange for the round, or one per client (Server.client_by_client: Alg. 1 loops)
-        batches = [[c] for c in cids] if self.server.client_by_client(rnd) else [cids]
+        # one exchange for the round, or several in order (Server.round_exchanges: seed 000)
+        batches = self.server.round_exchanges(rnd, cids)
         exchanges: list[TrainExchange] = []
         aggregate_flops = 0
         for batch in batches:
@@ -460,7 +460,7 @@ class RoundDriver:
             ),
             flops=sum(ex.got.flops for ex in exchanges),
             rejected=[c for c in self.order if c in rejected],
-            replied=sorted(c for ex in exchanges for c in ex.accepted),
+            replied=sorted({c for ex in exchanges for c in ex.accepted}),
             server_flops=sum(ex.server_flops for ex in exchanges) + aggregate_flops,
             nonfinite_loss=diverged,
         )
