@@ -3,6 +3,8 @@
 import copy
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -623,3 +625,22 @@ def test_frozen_parameters_per_client_and_split_parameters():
     split[0] = True  # one entry of features.0.weight
     rows = torch.stack([~head, split, torch.ones_like(head), torch.zeros_like(head)])
     assert frozen_parameters(fm, rows) == [(False, False, True, True), None, None, None]
+
+
+def test_flop_metering_does_not_import_torch_dynamo():
+    """FlopSum opts out of torch's dynamo.disable wrap (``_should_skip_dynamo``): counting a
+    step's FLOPs must not import torch._dynamo, ~2 s of CPU in every worker process."""
+    code = (
+        "import sys, torch\n"
+        "from hyperfed.engine.metering import FlopSum\n"
+        "x = torch.ones(3, 3, requires_grad=True)\n"
+        "with FlopSum() as c:\n"
+        "    (x @ x).sum().backward()\n"
+        # a 3x3 @ 3x3 product is 2 * 27 FLOPs; its backward two more products (x is both sides)
+        "assert c.get_total_flops() == 3 * 2 * 27, c.get_total_flops()\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False"

@@ -73,6 +73,12 @@ class FlopSum(TorchDispatchMode):
     cost on a server round (docs/performance.md). No op hyperfed runs needs the decomposition
     (the totals are equal, tests/test_engine_local.py)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo.disable unless told not to, and
+        # that imports torch._dynamo (~2 s of CPU in every process); hyperfed compiles nothing
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
