@@ -34,9 +34,15 @@ all six seeds of both settings (docs/claims/000.md, C3). Eq. 8's L_KL is the pla
 ``kd_t2=True`` multiplies it by T^2 as in Hinton et al. and the authors' code (validation:
 docs/crosscheck.md).
 
-One exchange per round: the server sends w_g and theta_i together, so theta_i is generated
-before that round's global-model update (Alg. 2 generates it after); the global update
-reaches theta_i in the next round.
+``global_exchange`` says how w_g enters a round. ``"joint"`` sends w_g and theta_i together
+in one exchange, so theta_i is generated before that round's global-model update (Alg. 2
+generates it after) and the update reaches theta_i in the next round. ``"alg2"`` is Alg. 2 as
+printed and the authors' MH-pFedHNGD.py: an exchange of w_g alone with every client and one
+step on sum_i m_i/M Delta w_g,i, then the personal exchange(s) (one per client under
+``hn_update="alg1"``), theta_i generated after that step and every client distilling from the
+round-start w_g (sent again as ``teacher``: w_g's bytes go down twice a round). The driver runs
+the round's exchanges in order (``Server.round_exchanges``). Default and validation: the
+field's line below and docs/claims/000.md (C3).
 
 **Generalization (§4.4).** ``new_clients=0.2`` holds the last 20% of clients (by id) out
 of training; in the final ``adapt_rounds`` rounds only they take part, the hypernetwork is
