@@ -705,6 +705,26 @@ def test_alg2_round_through_the_driver_steps_w_g_once_and_sends_no_w_g_with_thet
     assert steps[id(next(server.hnet.extractor.parameters()))] == 5
 
 
+def test_random_client_order_is_a_fresh_permutation_every_round_and_by_id_is_sorted():
+    """client_order = "random" (the authors' random.sample(train_list, n) every round): each
+    round's per-client exchanges are a permutation of the sampled clients, drawn anew each
+    round and reproducible from (seed, round); "by_id" keeps the ids' order."""
+    ids = [3, 5, 8, 9, 11]
+    by_id = _server({c: 300 for c in ids}, out_dim=128, hidden=8, hn_update="alg1")
+    assert by_id.round_exchanges(4, ids) == [[c] for c in ids]
+    server = _server(
+        {c: 300 for c in ids}, out_dim=128, hidden=8, hn_update="alg1", client_order="random"
+    )
+    again = _server(
+        {c: 300 for c in ids}, out_dim=128, hidden=8, hn_update="alg1", client_order="random"
+    )
+    orders = [tuple(b[0] for b in server.round_exchanges(r, ids)) for r in range(1, 31)]
+    assert all(sorted(o) == ids for o in orders)
+    assert len(set(orders)) >= 20  # 30 draws from 120 orders: repeats are rare
+    assert {o[0] for o in orders} == set(ids)  # every client goes first in some round
+    assert orders == [tuple(b[0] for b in again.round_exchanges(r, ids)) for r in range(1, 31)]
+
+
 def test_alg2_is_refused_with_partial_deployment():
     with pytest.raises(ValueError, match="global_model_fraction"):
         MHPFedHNGDParams(global_exchange="alg2", global_model_fraction=0.5)

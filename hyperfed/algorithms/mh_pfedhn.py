@@ -55,7 +55,8 @@ round, too little to adapt (issue 53). Default chosen on the validation split
 (docs/claims/000.md, C5).
 
 **The authors' code (GitHub DangDang1895/MH-pFL) as options.** ``hn_update="alg1"``
-with ``hn_grad_clip=50`` (their ``--grad-clip``: the hypernetwork's gradient norm clipped
+with ``client_order="random"`` (they draw a new client order every round; ours by id by
+default), ``hn_grad_clip=50`` (their ``--grad-clip``: the hypernetwork's gradient norm clipped
 before every Adam step), ``embed_std=0.002`` (their ``norm_var``), ``extractor_relu_out=True``
 (their extractor ends in a ReLU) and ``hidden=128`` (their ``hidm``); their local training
 is ``[local] lr=5e-3 momentum=0.9 weight_decay=5e-4 epochs=1`` (they also clip the local
@@ -150,6 +151,7 @@ HeadMode = Literal["per_size", "none", "per_client", "per_architecture"]
 # the validation rows behind the readings of the authors' code (issue 53), all from one config
 VAL = "val acc at round 60, configs of results/claims/000-readings-val, seeds 0-2"
 _DEPLOY_SALT = 7919  # seeds the draw of the clients that deploy the global model (Table 15)
+_ORDER_SALT = 1_000_003  # seeds each round's client order (client_order = "random")
 
 
 @dataclass
@@ -172,6 +174,11 @@ class MHPFedHNParams:
         "mean",
         "val acc at round 60 (harder setting, seeds 0-2): 92.19 vs 91.31 for alg1, level; "
         "results/claims/000-hnupdate-val",
+    )
+    # "alg1": the order of the round's per-client exchanges; "random": a fresh uniform order
+    # every round, as the authors' random.sample(train_list, n)
+    client_order: Literal["by_id", "random"] = chosen(
+        "by_id", "Alg. 1 names no order; the authors' code draws one a round (docs/crosscheck.md)"
     )
     # G / GD: the lightweight global model's architecture
     global_model: str | None = paper(None, "seed 000 §3.2 (MH-pFedHN has none)")
@@ -348,6 +355,9 @@ class MHPFedHNServer(Server):
     def round_exchanges(self, rnd: int, client_ids: list[int]) -> list[list[int]]:
         # Alg. 1 (and the authors' loop): theta_i generated after the previous client's step
         ids = list(client_ids)
+        if self.hp.client_order == "random":  # seeded by (run, round): a resumed run agrees
+            order = torch.Generator().manual_seed(self.ctx.seed * _ORDER_SALT + rnd)
+            ids = [ids[i] for i in torch.randperm(len(ids), generator=order).tolist()]
         personal = [[c] for c in ids] if self.hp.hn_update == "alg1" else [ids]
         if self.hp.global_exchange == "joint" or not self.hp.global_model or self.adapting(rnd):
             return personal
