@@ -10,7 +10,7 @@ prints the opposite). ``hn_update`` says how the clients' updates reach phi and 
 ``"mean"`` (default) takes one Adam step a round on the mean of the clients' update
 gradients; ``"alg1"`` is Alg. 1 and the authors' loop: client after client, theta_i generated
 from the hypernetwork as the previous client's step left it, trained, then one Adam step
-(the round driver runs such a round as one exchange per client, ``Server.client_by_client``);
+(the round driver runs such a round as one exchange per client, ``Server.round_exchanges``);
 ``"sequential"`` also steps once per client, but every theta_i is generated at the round's
 start, so later steps apply updates computed from a hypernetwork that has since moved (not
 Alg. 1). Default "mean" [C], chosen on the validation split: val 92.19 vs "alg1" 91.31 (harder
