@@ -10,9 +10,10 @@ import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -131,21 +132,11 @@ def local(
     if clientapp not in ("long-lived", "per-message"):
         fail(f"--clientapp {clientapp}: must be long-lived or per-message")
     per_node = max(1, (os.cpu_count() or 1) // n)
-    _launch(
-        cfg,
-        out,
-        n,
-        threads or per_node,
-        timeout,
-        round_timeout,
-        quiet,
-        resume,
-        None,
-        secure,
-        clientapp,
-        clients_per_node,
-        force=force,
-    )
+    opts = LaunchOptions(
+        n, threads or per_node, timeout, round_timeout, quiet, resume, force, None, secure,
+        clientapp, clients_per_node,
+    )  # fmt: skip
+    _launch(cfg, out, opts)
 
 
 def _groups(cfg, clients_per_node: int) -> int:  # type: ignore[no-untyped-def]
@@ -190,89 +181,60 @@ def sim(
         fail(f"--cpus {cpus} / --gpus {gpus}: need cpus >= 1 and gpus >= 0")
     simulated = Simulated(cpus, gpus, ray_address)
     n = _groups(cfg, clients_per_node)
-    _launch(
-        cfg,
-        out,
-        n,
-        threads,
-        timeout,
-        round_timeout,
-        quiet,
-        resume,
-        simulated,
+    opts = LaunchOptions(
+        n, threads, timeout, round_timeout, quiet, resume, force, simulated,
         clients_per_node=clients_per_node,
-        force=force,
-    )
+    )  # fmt: skip
+    _launch(cfg, out, opts)
 
 
-def _launch(  # type: ignore[no-untyped-def]
-    cfg,
-    out: Path | None,
-    n: int,
-    threads: int,
-    timeout: float,
-    round_timeout: float,
-    quiet: bool,
-    resume: bool,
-    simulated,
-    secure: bool = False,
-    clientapp: str = "long-lived",
-    clients_per_node: int = 1,
-    force: bool = False,
-) -> None:
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What `hyperfed flower local` / `sim` pass on to the deployment: nodes, torch threads per
+    client process, timeouts, and the run's switches."""
+
+    n: int
+    threads: int
+    timeout: float
+    round_timeout: float
+    quiet: bool
+    resume: bool
+    force: bool
+    simulated: Any  # launch.Simulated for `sim`, None for a loopback deployment
+    secure: bool = False
+    clientapp: str = "long-lived"
+    clients_per_node: int = 1
+
+
+def _launch(cfg: Any, out: Path | None, opts: LaunchOptions) -> None:
     from hyperfed.runtime.rundir import RunDir
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    kind = "flower" if simulated is None else "flower-sim"
+    kind = "flower" if opts.simulated is None else "flower-sim"
     # absolute: the SuperLink and the nodes run in another working folder (workdir)
     run_dir = (out or Path("runs") / f"{stamp}-{kind}-{cfg.algorithm.name}").absolute()
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"--out {out} is a file; choose a folder")
     # held by this process for the whole deployment: a second run on it is refused
     with RunDir(run_dir).locked():
-        _deploy(
-            cfg,
-            run_dir,
-            n,
-            threads,
-            timeout,
-            round_timeout,
-            quiet,
-            resume,
-            simulated,
-            secure,
-            clientapp,
-            clients_per_node,
-            force,
-        )
+        _deploy(cfg, run_dir, opts)
 
 
-def _deploy(  # type: ignore[no-untyped-def]
-    cfg,
-    run_dir: Path,
-    n: int,
-    threads: int,
-    timeout: float,
-    round_timeout: float,
-    quiet: bool,
-    resume: bool,
-    simulated,
-    secure: bool,
-    clientapp: str,
-    clients_per_node: int,
-    force: bool,
-) -> None:
+def _deploy(cfg: Any, run_dir: Path, opts: LaunchOptions) -> None:
     from hyperfed.deploy.launch import DeployError, LocalDeployment
     from hyperfed.runtime.rundir import CHECKPOINT, check_new_run
 
-    if resume:
+    n, quiet, secure, simulated = opts.n, opts.quiet, opts.secure, opts.simulated
+    clients_per_node = opts.clients_per_node
+
+    if opts.resume:
         if not (run_dir / CHECKPOINT).exists():  # the file the server writes (rundir.py)
             fail(
                 f"--resume: {run_dir} holds no checkpoint ({CHECKPOINT}); set checkpoint_every "
                 "and --out"
             )
     else:
-        check_new_run(run_dir, force, resume=f"--out {run_dir} --resume")
+        check_new_run(run_dir, opts.force, resume=f"--out {run_dir} --resume")
     workdir = run_dir / "flower"
     secure_dir = workdir / "secure"
     t0 = time.perf_counter()
@@ -290,12 +252,12 @@ def _deploy(  # type: ignore[no-untyped-def]
             run_dir,
             nodes=n,
             num_partitions=cfg.clients.count,
-            threads=threads,
-            round_timeout=round_timeout,
+            threads=opts.threads,
+            round_timeout=opts.round_timeout,
             simulated=simulated,
-            resume=resume,
+            resume=opts.resume,
             secure=material,
-            clientapp=clientapp,
+            clientapp=opts.clientapp,
             clients_per_node=clients_per_node,
         )
         with deployment:
@@ -311,7 +273,7 @@ def _deploy(  # type: ignore[no-untyped-def]
                     f"{workdir}/logs"
                 )
             run_id = deployment.submit()
-            status = deployment.wait(run_id, timeout)
+            status = deployment.wait(run_id, opts.timeout)
             if status != "finished:completed":
                 fail(f"Flower run {run_id} ended {status}:\n{deployment.logs()}", code=1)
     except DeployError as e:
