@@ -77,6 +77,7 @@ MEASURED = {
     "mh_pfedhndd": (0.770, 0.801),
     "mh_pfedhng": (0.690, 0.781),
     "mh_pfedhngd": (0.629, 0.658),
+    # re-measured with the authors' 8-kernel extractor, the default since 2026-11-29: the same
     "pfedes": (0.638, 0.659),
     "pfedhn": (0.612, 0.698),
     "pfedhn_dd": (0.644, 0.714),

@@ -18,17 +18,18 @@ heterogeneous local model is used for inference").
 
 **The extractor.** Figure 2 is not reproduced in the text; here G is
 ``Conv(C -> extractor_width, 3x3, same) -> ReLU -> Conv(extractor_width -> C, 3x3, same)``
-with no output activation (the enhanced data live in the same normalized space as x).
-With ``extractor_width = 16``: 305 parameters for 1-channel images (1,220 bytes), 883 for RGB.
-``extractor_relu_out = True`` adds a ReLU after the second convolution,
-``G(x) = relu(conv2(relu(conv1(x))))``: the enhanced data are then >= 0.
+followed, by default, by a ReLU (``extractor_relu_out``): ``G(x) = relu(conv2(relu(conv1(x))))``,
+so the enhanced data are >= 0. The default is the authors' ``Generator`` (8 kernels, both
+ReLUs: 153 parameters for 1-channel images), chosen [C] on the validation split (5 classes and
+300 images a client, 100 rounds, seeds 0-2, the same seeds for both): 85.34 ± 0.20 against
+84.72 ± 0.55 for the earlier default (16 kernels, no output ReLU: 305 parameters), ahead in
+two seeds of three (results/claims/002-extractor-val).
 
 **The authors' reading** (GitHub ``LipingYi/pFedES``: ``Models/CNNs.py``'s ``Generator`` and
 ``pFedES_mh.py``, read and run for docs/crosscheck.md; nothing of it is copied): 8 kernels and
 a ReLU after both convolutions, and their training settings. These config keys reproduce them:
 
-* ``algorithm.extractor_width = 8`` and ``algorithm.extractor_relu_out = true`` (the extractor:
-  153 parameters for 1-channel images, half of ours);
+* the extractor: the default (``extractor_width = 8``, ``extractor_relu_out = true``);
 * ``algorithm.mu = 0.5`` (Eq. 5's weight), ``local.epochs = 10`` (E), ``local.batch_size = 512``,
   ``local.weight_decay = 1e-3``, ``local.lr = 0.01`` (the paper's eta, already the default);
 * ``algorithm.extractor_epochs = 20``: their ``pFedES_mh.py`` fixes E_fe = E + 10.
@@ -38,8 +39,8 @@ rounds of their script on our export, seed 0: largest norms 42.7 for F_k and 10.
 their single extractor optimizer shared by every client in turn (its momentum carries from one
 client to the next, which a deployed client cannot have).
 
-The defaults stay the paper's (mu, E_fe: §10) and ours (the extractor, [C]) until a validation
-run with the same seeds for every reading chooses (issue 54).
+mu and E_fe stay the paper's (§10). Their E = 10 with E_fe = 20 costs ~15x a round of the
+defaults here and was not validated.
 
 Training details this implementation fixes (the paper leaves them open): in step 1 F_k sees
 x_hat then x, each forward in training mode (BatchNorm statistics, if F_k has any, are
@@ -84,34 +85,39 @@ def _odd(value: int) -> int:
     return value
 
 
+# Fig. 2 is not in the text; the extractor readings on validation (issue 54)
+EXTRACTOR_VAL = (
+    "val acc at round 100, 5 classes and 300 images a client, seeds 0-2: 8 kernels + output "
+    "ReLU 85.34 vs 16 kernels, none 84.72 (results/claims/002-extractor-val)"
+)
+
+
 @dataclass
 class PFedESParams:
     """Defaults: §6.1 and §10 (accuracy falls as mu grows and as E_fe grows, so the smallest
-    values the paper tried, mu = 0.1 and E_fe = 5, are the defaults). The authors' extractor is
-    ``extractor_width = 8`` with ``extractor_relu_out = True``; the module docstring lists the
-    config keys that reproduce their settings (issue 54)."""
+    values the paper tried, mu = 0.1 and E_fe = 5, are the defaults). The extractor is the
+    authors' (``extractor_width = 8``, ``extractor_relu_out = True``), chosen on validation;
+    the module docstring lists the config keys that reproduce their other settings."""
 
     # Eq. 5: weight of the enhanced-data loss, in (0, 0.5]
     mu: Annotated[float, Gt(0), Le(0.5)] = paper(0.1, "seed 002 §10 Fig. 10 (best of the grid)")
     # E_fe: epochs of step 2 (training G with F_k frozen)
     extractor_epochs: Count = paper(5, "seed 002 §10 Fig. 10 (best of the grid)")
     # channels of G's hidden layer (the authors' Generator: 8)
-    extractor_width: Count = chosen(16, "Fig. 2 is not in the text; a small extractor")
+    extractor_width: Count = chosen(8, f"the authors' Generator [C]; {EXTRACTOR_VAL}")
     # odd, so that padding "same" keeps the shape exactly
     extractor_kernel: Annotated[int, Ge(1), AfterValidator(_odd)] = chosen(
         3, "Fig. 2 is not in the text; smallest odd kernel"
     )
     # a ReLU after G's second convolution too (the authors' Generator has one)
-    extractor_relu_out: bool = chosen(
-        False, "Fig. 2 is not in the text; the authors' Generator has one (issue 54)"
-    )
+    extractor_relu_out: bool = chosen(True, f"the authors' Generator [C]; {EXTRACTOR_VAL}")
 
 
 class Extractor(nn.Module):
     """G (§4.3): two convolutions with padding "same"; the output has the input's shape."""
 
     def __init__(
-        self, channels: int, width: int = 16, kernel: int = 3, relu_out: bool = False
+        self, channels: int, width: int = 8, kernel: int = 3, relu_out: bool = True
     ) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, width, kernel, padding="same")
