@@ -116,9 +116,7 @@ class PFedESParams:
 class Extractor(nn.Module):
     """G (§4.3): two convolutions with padding "same"; the output has the input's shape."""
 
-    def __init__(
-        self, channels: int, width: int = 8, kernel: int = 3, relu_out: bool = True
-    ) -> None:
+    def __init__(self, channels: int, width: int, kernel: int, relu_out: bool) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, width, kernel, padding="same")
         self.conv2 = nn.Conv2d(width, channels, kernel, padding="same")

@@ -13,11 +13,14 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from hyperfed.terminal import console, fail, print_final
+
+if TYPE_CHECKING:
+    from hyperfed.deploy.launch import Simulated
 
 flower_cli = typer.Typer(
     help="Deploy with Flower: a SuperLink (server) and one SuperNode per client, over the network.",
@@ -133,9 +136,18 @@ def local(
         fail(f"--clientapp {clientapp}: must be long-lived or per-message")
     per_node = max(1, (os.cpu_count() or 1) // n)
     opts = LaunchOptions(
-        n, threads or per_node, timeout, round_timeout, quiet, resume, force, None, secure,
-        clientapp, clients_per_node,
-    )  # fmt: skip
+        n=n,
+        threads=threads or per_node,
+        timeout=timeout,
+        round_timeout=round_timeout,
+        quiet=quiet,
+        resume=resume,
+        force=force,
+        simulated=None,
+        secure=secure,
+        clientapp=clientapp,
+        clients_per_node=clients_per_node,
+    )
     _launch(cfg, out, opts)
 
 
@@ -182,9 +194,16 @@ def sim(
     simulated = Simulated(cpus, gpus, ray_address)
     n = _groups(cfg, clients_per_node)
     opts = LaunchOptions(
-        n, threads, timeout, round_timeout, quiet, resume, force, simulated,
+        n=n,
+        threads=threads,
+        timeout=timeout,
+        round_timeout=round_timeout,
+        quiet=quiet,
+        resume=resume,
+        force=force,
+        simulated=simulated,
         clients_per_node=clients_per_node,
-    )  # fmt: skip
+    )
     _launch(cfg, out, opts)
 
 
@@ -200,7 +219,7 @@ class LaunchOptions:
     quiet: bool
     resume: bool
     force: bool
-    simulated: Any  # launch.Simulated for `sim`, None for a loopback deployment
+    simulated: Simulated | None  # Ray's resources for `sim`; None: a loopback deployment
     secure: bool = False
     clientapp: str = "long-lived"
     clients_per_node: int = 1
