@@ -275,6 +275,16 @@ def test_new_clients_adapt_with_their_own_adam_at_adapt_lr():
     assert {k: v["step"] for k, v in server.opt.state.items()} == hn_state
 
 
+def test_adapt_lr_larger_than_the_embedding_scale_is_refused():
+    # Adam's first step moves every entry by adapt_lr (test above): at the authors' embed_std
+    # 0.002 the default 5e-2 would be 25 initial standard deviations in one round
+    held_out = {"new_clients": 0.2, "adapt_rounds": 10}
+    with pytest.raises(ValueError, match="adapt_lr 0.05 exceeds embed_std 0.002"):
+        MHPFedHNParams(**held_out, embed_std=0.002)
+    MHPFedHNParams(**held_out, embed_std=0.002, adapt_lr=2e-4)  # the authors' pair
+    MHPFedHNParams(embed_std=0.002)  # no held-out clients: adapt_lr is never used
+
+
 @pytest.mark.parametrize("hn_update", ["alg1", "sequential"])
 def test_alg1_generates_each_client_after_the_previous_clients_step(hn_update):
     # Alg. 1 / authors' MH-pFedHN.py: for each client, theta_i = h(v_i; phi) from the current

@@ -52,7 +52,9 @@ The new parameters get an Adam of their own at ``adapt_lr``, one step a round on
 clients' updates (the authors' ``run_test.py``: a fresh Adam on the embeddings); the
 hypernetwork's Adam at ``hn_lr`` = 2e-4 would move an N(0, 1) embedding by at most 2e-4 a
 round, too little to adapt (issue 53). Default chosen on the validation split
-(docs/claims/000.md, C5).
+(docs/claims/000.md, C5). An ``adapt_lr`` above ``embed_std`` is refused: one Adam step
+would then exceed the embeddings' initial scale (at the authors' 0.002, 5e-2 left a client
+at 57%, docs/crosscheck.md); their pair is 2e-4 at 0.002.
 
 **The authors' code (GitHub DangDang1895/MH-pFL) as options.** ``hn_update="alg1"``
 with ``client_order="random"`` (they draw a new client order every round; ours by id by
@@ -245,6 +247,13 @@ class MHPFedHNParams:
     def __post_init__(self) -> None:
         if (self.new_clients > 0) != (self.adapt_rounds > 0):
             raise ValueError("new_clients and adapt_rounds must be set together")
+        if self.new_clients > 0 and self.adapt_lr > self.embed_std:
+            # one Adam step moves each coordinate by up to adapt_lr: past the embedding's scale
+            raise ValueError(
+                f"adapt_lr {self.adapt_lr:g} exceeds embed_std {self.embed_std:g}: one Adam step "
+                "would move a new client's embedding further than its whole initial scale; "
+                "set adapt_lr <= embed_std (the authors: 2e-4 at 0.002)"
+            )
         if self.distill and not self.global_model:
             raise ValueError("distill needs a global_model (e.g. 'lenet')")
         if self.global_model_fraction < 1 and not self.global_model:
