@@ -39,9 +39,8 @@ rounds of their script on our export, seed 0: largest norms 42.7 for F_k and 10.
 their single extractor optimizer shared by every client in turn (its momentum carries from one
 client to the next, which a deployed client cannot have).
 
-mu and E_fe stay the paper's (§10). Their whole bundle (mu 0.5, E = 10, E_fe = 20, batch 512,
-weight decay 1e-3) costs 12.8x the client FLOPs a round and scored below the config's settings
-on the same validation split (84.61 vs 85.24, seeds 0-2; results/claims/002-bundle-val).
+mu and E_fe stay the paper's (§10). Their whole bundle (the keys above) scored below the
+config's settings on validation at 12.8x the FLOPs a round (docs/claims/002.md).
 
 Training details this implementation fixes (the paper leaves them open): in step 1 F_k sees
 x_hat then x, each forward in training mode (BatchNorm statistics, if F_k has any, are
