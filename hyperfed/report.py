@@ -17,7 +17,7 @@ import numpy as np
 
 from hyperfed.config import flat_keys
 from hyperfed.errors import HyperfedError
-from hyperfed.runtime.rundir import SUMMARY, read_metrics
+from hyperfed.runtime.rundir import MACHINE, SUMMARY, machine_label, read_machines, read_metrics
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -175,6 +175,8 @@ def run_summary(path: str | Path) -> dict[str, Any]:
         "gflops_per_round": final.get("flops_total", 0) / rounds / 1e9,
         "server_gflops_per_round": final.get("flops_server_total", 0) / rounds / 1e9,
         "seconds": final.get("seconds"),
+        # one label per start or resume (machine.jsonl; empty for runs that predate it)
+        "machines": [machine_label(m) for m in read_machines(path)],
         "records": records,
     }
 
@@ -478,6 +480,23 @@ def plot_label_distribution(
     return m
 
 
+def machine_note(summaries: list[dict[str, Any]]) -> str:
+    """A paragraph naming the machines when the runs span more than one (a run resumed on
+    another machine counts as both); empty when they share one or none recorded any."""
+    runs_on: dict[str, list[str]] = {}
+    for s in summaries:
+        for label in dict.fromkeys(s.get("machines") or ["not recorded"]):
+            runs_on.setdefault(label, []).append(s["run"])
+    if len(runs_on) < 2:
+        return ""
+    lines = "".join(f"- {label}: {', '.join(runs)}\n" for label, runs in runs_on.items())
+    return (
+        f"Machines ({MACHINE}): these runs ran on {len(runs_on)} different machines or torch "
+        "builds. Runs with the same seed on different machines part by float rounding after a "
+        "few rounds, so compare their rows only beyond that drift.\n\n" + lines + "\n"
+    )
+
+
 def report_text(summaries: list[dict[str, Any]], target: float | None = None) -> str:
     """The report's tables as markdown: mean ± std over seeds (where a setting has more than
     one seed), then one row per run, then the metric note (``report.md`` without its plots;
@@ -488,7 +507,7 @@ def report_text(summaries: list[dict[str, Any]], target: float | None = None) ->
         text += "## Over seeds\n\n" + seed_table(groups) + "\n"
         text += "Mean ± std (population) over the runs that differ only by seed.\n\n## Runs\n\n"
     text += markdown_table(summaries, target) + "\n"
-    return text + METRIC_NOTE + "\n"
+    return text + machine_note(summaries) + METRIC_NOTE + "\n"
 
 
 def write_report(
@@ -514,6 +533,7 @@ def write_report(
 KEPT_FILES = (
     "config.toml",
     "metrics.jsonl",
+    MACHINE,
     "sweep.json",
     "tune.json",
     "trials.json",

@@ -140,6 +140,7 @@ def test_a_background_write_error_is_raised_at_the_next_checkpoint(
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         CHECKPOINT,
         "config.toml",
+        "machine.jsonl",
         "metrics.jsonl",
     ]
 

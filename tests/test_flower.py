@@ -32,7 +32,7 @@ from hyperfed.deploy.appconfig import (  # noqa: E402
     experiment_run_config,
 )
 from hyperfed.deploy.launch import LocalDeployment, _group_alive  # noqa: E402
-from hyperfed.runtime.rundir import read_metrics  # noqa: E402
+from hyperfed.runtime.rundir import read_machines, read_metrics  # noqa: E402
 from hyperfed.runtime.simulate import Simulation  # noqa: E402
 
 # digits, 3 heterogeneous clients, 3 rounds; one evaluation at the end (fewer messages)
@@ -570,6 +570,8 @@ def test_a_killed_deployment_resumes_and_ends_as_an_uninterrupted_run(tmp_path, 
     for a, b in zip(expected, got):
         assert b["client_acc"] == pytest.approx(a["client_acc"], abs=1e-4)
     assert "resumed from the checkpoint of round 1" in (run / "server.log").read_text()
+    # the server's machine, once for the start and once for the resume
+    assert [m["from_round"] for m in read_machines(run)] == [0, 1]
 
 
 @pytest.mark.slow

@@ -476,3 +476,60 @@ def test_the_final_table_names_the_scored_model_and_where_the_best_round_was_pic
     assert "picked on test" in fedavg and "no validation split" in fedavg
     assert "Test accuracy at round 2 (each client's own model)" in personal
     assert "best mean (round 1, picked on val)" in personal and "picked on test" not in personal
+
+
+def test_machine_jsonl_names_the_machine_of_each_start_and_resume(
+    finished_run: Path, tmp_path: Path
+) -> None:
+    """Same-seed runs on different CPUs part by float rounding: each start and each resume
+    appends the machine it ran on, and a resume keeps the lines before it."""
+    from hyperfed.runtime.rundir import machine_info, read_machines
+
+    run = _copy_run(finished_run, tmp_path / "r")
+    here = machine_info("cpu")
+    (first,) = read_machines(run)
+    assert first["from_round"] == 0
+    assert {k: first[k] for k in ("cpu", "isa", "torch")} == {
+        "cpu": here["cpu"],
+        "isa": here["isa"],
+        "torch": torch.__version__,
+    }
+    result = invoke("run", "--resume", str(run), "--set", "rounds=3", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert [m["from_round"] for m in read_machines(run)] == [0, 2]
+    # a new run in the same folder (--force) starts the file again
+    result = invoke("run", "--out", str(run), "--force", "--quiet", *sets(TWO_ROUNDS))
+    assert result.exit_code == 0, result.output
+    assert [m["from_round"] for m in read_machines(run)] == [0]
+
+
+def _fake_run(path: Path, machines: list[dict[str, object]] | None, garbage: bool = False) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text('[algorithm]\nname = "a"\n')
+    rec = {"round": 1, "mean_acc": 0.5, "weighted_acc": 0.5, "min_acc": 0.0, "max_acc": 1.0}
+    (path / "metrics.jsonl").write_text(json.dumps({**rec, "std_acc": 0.1}) + "\n")
+    if machines is not None:
+        lines = [json.dumps(m) for m in machines] + (["{not json", "[1, 2]"] if garbage else [])
+        (path / "machine.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_report_names_the_machines_when_its_runs_span_more_than_one(tmp_path: Path) -> None:
+    from hyperfed.report import report_text, run_summary
+
+    a = {"from_round": 0, "cpu": "Xeon (model 207)", "isa": "AVX512", "torch": "2.13.0+cpu"}
+    b = {**a, "cpu": "EPYC (model 17)", "isa": "AVX2"}
+    same = [_fake_run(tmp_path / n, [a], garbage=True) for n in ("s0", "s1")]
+    assert "Machines" not in report_text([run_summary(p) for p in same])
+    other = _fake_run(tmp_path / "s2", [b])
+    text = report_text([run_summary(p) for p in [*same, other]])
+    assert "2 different machines" in text
+    assert "- Xeon (model 207), AVX512, 2.13.0+cpu: s0, s1\n" in text
+    assert "- EPYC (model 17), AVX2, 2.13.0+cpu: s2\n" in text
+    # a run resumed on another machine is listed under both
+    moved = _fake_run(tmp_path / "s3", [a, {**b, "from_round": 40}])
+    assert "- EPYC (model 17), AVX2, 2.13.0+cpu: s3\n" in report_text([run_summary(moved)])
+    # runs from before machine.jsonl: no note among themselves, "not recorded" beside others
+    old = [_fake_run(tmp_path / n, None) for n in ("o0", "o1")]
+    assert "Machines" not in report_text([run_summary(p) for p in old])
+    assert "- not recorded: o0\n" in report_text([run_summary(old[0]), run_summary(same[0])])

@@ -482,6 +482,7 @@ class Deployment:
             log.info("resumed from the checkpoint of round %d", start)
         else:
             driver.totals["bytes_up"] += sum(payload_bytes(p) for p in joins.values())
+        self.run_dir.note_machine(start, self.federation.device)  # the server's; nodes differ
 
         def checkpoint(rnd: int) -> dict[str, Any]:
             self.saved_checkpoint = self.last_checkpoint

@@ -1,7 +1,8 @@
 """A run is a directory (DESIGN contract 5).
 
 ``config.toml`` (resolved), ``metrics.jsonl`` (one JSON object per evaluated round),
-``checkpoint.pt`` (written atomically: temp file + rename), ``summary.md`` and plots.
+``machine.jsonl`` (the machine each start or resume ran on), ``checkpoint.pt`` (written
+atomically: temp file + rename), ``summary.md`` and plots.
 
 A checkpoint file is a one-line JSON header (format, SHA-256 and size of the payload, SHA-256
 of the ``config.toml`` it belongs to) followed by a ``torch.save`` payload that is loaded with
@@ -22,6 +23,7 @@ import io
 import json
 import math
 import os
+import platform
 import re
 import tempfile
 import threading
@@ -37,6 +39,7 @@ from hyperfed.errors import HyperfedError
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
 CHECKPOINT = "checkpoint.pt"
+MACHINE = "machine.jsonl"
 SUMMARY = "summary.md"
 CHECKPOINT_FORMAT = "hyperfed-checkpoint-1"
 # a run's files hyperfed writes through a temp file (atomic_write_bytes); server_state.pt: the
@@ -287,6 +290,18 @@ class RunDir:
         remove_stale_temps(self.path)  # half-written files of a killed earlier run
         atomic_write_bytes(self.path / CONFIG, lambda f: f.write(config_toml.encode()))
         (self.path / METRICS).write_text("")
+        (self.path / MACHINE).write_text("")
+
+    def note_machine(self, start_round: int, device: str | torch.device) -> None:
+        """Append the machine this start (``start_round`` 0) or resume runs on to
+        ``machine.jsonl``: same-seed runs on different CPUs or torch builds part by float
+        rounding after a few rounds, and ``hyperfed report`` says when its rows span machines."""
+        line = {"from_round": start_round, **machine_info(device)}
+        with open(self.path / MACHINE, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def machines(self) -> list[dict[str, Any]]:
+        return read_machines(self.path)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS, "a") as f:
@@ -439,6 +454,81 @@ class RunDir:
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return lines[0].strip() if lines else type(e).__name__
+
+
+def _cpu_model() -> str:
+    """The CPU's name, with its family / model / stepping where the name is a virtual
+    machine's generic one ("Intel(R) Xeon(R) Processor" covers several generations)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Hardware", "cpu family", "model", "stepping"):
+                    fields.setdefault(key, value.strip())
+                elif not key and fields:
+                    break  # the first processor's block is enough
+    except OSError:
+        pass
+    name = fields.get("model name") or fields.get("Hardware")
+    if not name:
+        return platform.processor() or platform.machine() or "unknown"
+    ids = [
+        f"{k.split()[-1]} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields
+    ]
+    return f"{name} ({' '.join(ids)})" if ids else name
+
+
+def _vector_isa() -> str:
+    """The widest vector instruction set torch's CPU kernels may use here (its own probe)."""
+    with contextlib.suppress(Exception):
+        return str(torch.backends.cpu.get_cpu_capability())
+    return "unknown"
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """What decides a run's float rounding: CPU model and vector ISA, core count, accelerator,
+    torch and Python versions (no host name)."""
+    dev = torch.device(device)
+    accelerator = ""
+    if dev.type == "cuda" and torch.cuda.is_available():
+        accelerator = torch.cuda.get_device_name(dev)
+    return {
+        "cpu": _cpu_model(),
+        "isa": _vector_isa(),
+        "cores": os.cpu_count(),
+        "device": dev.type,
+        "accelerator": accelerator,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+# the fields that make two machine.jsonl lines "the same machine" for float rounding
+MACHINE_KEYS = ("cpu", "isa", "device", "accelerator", "torch")
+
+
+def machine_label(line: dict[str, Any]) -> str:
+    parts = [str(line.get(k) or "") for k in MACHINE_KEYS]
+    return ", ".join(p for p in parts if p and p != "cpu")
+
+
+def read_machines(path: str | Path) -> list[dict[str, Any]]:
+    """``machine.jsonl``'s lines (runs recorded before it existed: none). A line that is not
+    a JSON object is skipped: the file only annotates a run, it decides nothing."""
+    p = Path(path) / MACHINE
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_bytes().splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

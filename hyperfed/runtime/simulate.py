@@ -388,6 +388,8 @@ class Simulation:
         cfg = self.cfg
         if run_dir is not None and start_round == 0:
             run_dir.create(to_toml(cfg))
+        if run_dir is not None:
+            run_dir.note_machine(start_round, self.device)
         tensorboard = open_tensorboard(run_dir.path) if cfg.tensorboard and run_dir else None
         tracking = open_tracking(cfg, run_dir.path if run_dir else None, start_round)  # MLflow, W&B
 
