@@ -300,9 +300,6 @@ class RunDir:
         with open(self.path / MACHINE, "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def machines(self) -> list[dict[str, Any]]:
-        return read_machines(self.path)
-
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS, "a") as f:
             f.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
@@ -505,13 +502,12 @@ def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
     }
 
 
-# the fields that make two machine.jsonl lines "the same machine" for float rounding
-MACHINE_KEYS = ("cpu", "isa", "device", "accelerator", "torch")
-
-
 def machine_label(line: dict[str, Any]) -> str:
-    parts = [str(line.get(k) or "") for k in MACHINE_KEYS]
-    return ", ".join(p for p in parts if p and p != "cpu")
+    """What makes two machine.jsonl lines "the same machine" for float rounding: CPU, vector
+    ISA, accelerator (or a device other than the CPU), torch build."""
+    device = line.get("accelerator") or ("" if line.get("device") == "cpu" else line.get("device"))
+    parts = (line.get("cpu"), line.get("isa"), device, line.get("torch"))
+    return ", ".join(str(p) for p in parts if p)
 
 
 def read_machines(path: str | Path) -> list[dict[str, Any]]:
