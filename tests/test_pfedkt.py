@@ -103,6 +103,31 @@ def test_hypernetwork_update_moves_generated_model_toward_trained(optimizer):
         assert torch.equal(state["hn_t"], torch.ones(3))
 
 
+def test_hn_momentum_steps_each_clients_phi_as_torch_sgd_with_momentum():
+    """The stabilised Alg. 1 reading steps phi with heavy-ball momentum 0.9, as the group's
+    pFedES code does with ``torch.optim.SGD(momentum=0.9)``: v <- 0.9 v + g, phi <- phi - lr v,
+    each client with its own buffer. Three steps against torch's SGD, one per client."""
+    from hyperfed.hypernet.chunked import optimizer_step
+
+    torch.manual_seed(3)
+    phi = torch.randn(2, 5)
+    grads = [torch.randn(2, 5) for _ in range(3)]
+    opt = PFedKTParams(hn_training="first_order", hn_lr=0.05, hn_momentum=0.9).hn_opt()
+    ours, state = phi.clone(), opt.init_state(phi)
+    for g in grads:
+        ours, state = optimizer_step(opt, ours, g, state)
+    for c in range(2):
+        ref = phi[c].clone().requires_grad_(True)
+        sgd = torch.optim.SGD([ref], lr=0.05, momentum=0.9)
+        for g in grads:
+            ref.grad = g[c].clone()
+            sgd.step()
+        torch.testing.assert_close(ours[c], ref.detach())
+    # by hand, the third step of client 0: v3 = g3 + 0.9 g2 + 0.81 g1
+    v3 = grads[2][0] + 0.9 * grads[1][0] + 0.81 * grads[0][0]
+    torch.testing.assert_close(state["hn_m"][0], v3)
+
+
 def test_hypernetwork_generates_all_clients_in_one_pass_like_a_per_client_mlp():
     """The batched einsum pass equals running each client's MLP chunk by chunk."""
     torch.manual_seed(1)
