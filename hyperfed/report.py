@@ -227,8 +227,9 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
         "| std | best mean acc (round) | upload MB/client/round | upload MB total | GFLOPs/round "
         "(clients) | GFLOPs/round (server) |"
     )
-    if target is not None:  # seed 002 Fig. 5: what it costs to get there
-        head += f" rounds to {target:.0%} | upload MB to {target:.0%} | TFLOPs to {target:.0%} |"
+    if target is not None:  # seed 002 Fig. 5: what it costs to get there (bytes both ways)
+        to = f"to {target:.0%}"
+        head += f" rounds {to} | upload MB {to} | MB up + down {to} | TFLOPs (clients) {to} |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         row = (
@@ -242,10 +243,11 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
         if target is not None:
             r = first_reaching(s["records"], target)
             if r is None:
-                row += " not reached | — | — |"
+                row += " not reached | — | — | — |"
             else:
+                up, down = r.get("bytes_up_total", 0), r.get("bytes_down_total", 0)
                 row += (
-                    f" {r['round']} | {r.get('bytes_up_total', 0) / 1e6:.2f} "
+                    f" {r['round']} | {up / 1e6:.2f} | {(up + down) / 1e6:.2f} "
                     f"| {r.get('flops_total', 0) / 1e12:.3f} |"
                 )
         lines.append(row)
