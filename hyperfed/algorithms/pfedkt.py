@@ -217,7 +217,9 @@ class PFedKTParams:
     tau: Positive = chosen(0.5, "MOON's default; pFedKT gives none")
     kl_reduction: KLReduction = chosen(
         "mean",
-        "the paper does not say; 'sum' is the same group's pFedES code (reduction='sum')",
+        "the paper does not say; 'sum' is the same group's pFedES code (reduction='sum'); "
+        "validation, seeds 0-2: sum 96.43 vs mean 96.09, a tie inside the 1.47 spread, so the "
+        "earlier default stays",
     )
 
     def init_kind(self) -> str:
