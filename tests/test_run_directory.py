@@ -533,3 +533,12 @@ def test_report_names_the_machines_when_its_runs_span_more_than_one(tmp_path: Pa
     old = [_fake_run(tmp_path / n, None) for n in ("o0", "o1")]
     assert "Machines" not in report_text([run_summary(p) for p in old])
     assert "- not recorded: o0\n" in report_text([run_summary(old[0]), run_summary(same[0])])
+
+
+def test_a_machine_jsonl_that_cannot_be_written_is_one_warning_not_a_failed_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "machine.jsonl").mkdir()  # opening it to append raises IsADirectoryError
+    with caplog.at_level("WARNING", logger="hyperfed"):
+        RunDir(tmp_path).note_machine(3, "cpu")
+    assert "could not write machine.jsonl" in caplog.text

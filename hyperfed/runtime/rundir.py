@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import platform
@@ -297,8 +298,11 @@ class RunDir:
         ``machine.jsonl``: same-seed runs on different CPUs or torch builds part by float
         rounding after a few rounds, and ``hyperfed report`` says when its rows span machines."""
         line = {"from_round": start_round, **machine_info(device)}
-        with open(self.path / MACHINE, "a") as f:
-            f.write(json.dumps(line) + "\n")
+        try:
+            with open(self.path / MACHINE, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:  # an annotation: a full disk here is the checkpoint's to report
+            logging.getLogger("hyperfed").warning("could not write %s: %s", MACHINE, e.strerror)
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS, "a") as f:
@@ -454,8 +458,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _cpu_model() -> str:
-    """The CPU's name, with its family / model / stepping where the name is a virtual
-    machine's generic one ("Intel(R) Xeon(R) Processor" covers several generations)."""
+    """The CPU's name with its family / model / stepping (a virtual machine's generic name,
+    "Intel(R) Xeon(R) Processor", covers several generations)."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
