@@ -520,29 +520,28 @@ def read_machines(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path) / MACHINE
     if not p.is_file():
         return []
-    out = []
+    return [item for item in _json_lines(p) if isinstance(item, dict)]
+
+
+def _json_lines(p: Path) -> Iterator[Any]:
+    """Each line of a JSON-lines file parsed, or ``None`` for a line that does not parse
+    (JSONDecodeError, UnicodeDecodeError: binary garbage); nothing for a missing file."""
+    if not p.exists():
+        return
     for line in p.read_bytes().splitlines():
         try:
-            item = json.loads(line)
+            yield json.loads(line)
         except ValueError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
-    return out
+            yield None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    p = Path(path) / METRICS
-    if not p.exists():
-        return []
     out = []
-    for line in p.read_bytes().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # JSONDecodeError, UnicodeDecodeError (binary garbage)
-            break  # a line cut by a kill: everything after it is untrusted
-        if not is_record(record):
-            break  # not a record hyperfed wrote (edited by hand, or garbage that parses)
+    for record in _json_lines(Path(path) / METRICS):
+        # None: a line cut by a kill, everything after it untrusted; not a record: edited by
+        # hand, or garbage that parses
+        if record is None or not is_record(record):
+            break
         out.append(record)
     return out
 
