@@ -221,6 +221,58 @@ def test_a_failed_write_under_an_error_is_logged_and_the_error_raised(
     assert "file write failed); no checkpoint written yet" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("rounds", "eval_every", "checkpoint_every", "warning"),
+    [
+        # checkpoints after rounds 1-5; write 1 is known at round 2's, with 3 writes to come
+        (5, 1, None, "rewritten every 1 round(s) (checkpoint_every defaults to eval_every): 3"),
+        # after rounds 2, 4 and 5 (the last); write 2 is known at round 4's: 1 write to come
+        (5, 2, None, "rewritten every 2 round(s) (checkpoint_every defaults to eval_every): 1"),
+        (5, 1, 1, None),  # checkpoint_every chosen by the user: no advice
+        (2, 1, None, None),  # write 1 is known at the last checkpoint: nothing left to save
+    ],
+)
+def test_a_large_checkpoint_at_the_default_interval_is_warned_once(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    rounds: int,
+    eval_every: int,
+    checkpoint_every: int | None,
+    warning: str | None,
+) -> None:
+    """Every checkpoint counts as large here; the warning names the writes still to come."""
+    from hyperfed.runtime import driver as driver_module
+
+    monkeypatch.setattr(driver_module, "LARGE_CHECKPOINT_BYTES", 1)
+    run = _run_dir(tmp_path)
+    with caplog.at_level("WARNING", logger="hyperfed"):
+        _driver().run(
+            rounds,
+            eval_every,
+            run_dir=run,
+            checkpoint_every=checkpoint_every,
+            checkpoint=lambda rnd: {"round": rnd},
+        )
+    told = [r.getMessage() for r in caplog.records if "each checkpoint is" in r.getMessage()]
+    if warning is None:
+        assert told == []
+    else:
+        assert len(told) == 1 and warning + " more write(s)" in told[0], told
+        assert (
+            run.last_checkpoint is not None
+            and run.last_checkpoint[0] == (tmp_path / CHECKPOINT).stat().st_size
+        )
+
+
+def test_a_small_checkpoint_is_not_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="hyperfed"):
+        _driver().run(4, 1, run_dir=_run_dir(tmp_path), checkpoint=lambda rnd: {"round": rnd})
+    assert not [r for r in caplog.records if "each checkpoint is" in r.getMessage()]
+
+
 def test_what_is_written_is_the_state_at_the_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -28,6 +28,7 @@ import platform
 import re
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,7 +254,10 @@ class RunDir:
         self.path = Path(path)
         # the background checkpoint write (save_checkpoint_async): at most one at a time
         self._writer: threading.Thread | None = None
-        self._write_result: tuple[int, BaseException | None] = (0, None)
+        self._write_result: tuple[int, float, BaseException | None] = (0, 0.0, None)
+        # (bytes, seconds) of the last checkpoint known written: set by save_checkpoint and,
+        # for a background write, when it is waited for (so the driver reads it at one moment)
+        self.last_checkpoint: tuple[int, float] | None = None
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[RunDir]:
@@ -320,7 +324,10 @@ class RunDir:
         """Write the checkpoint atomically, now (after a background write still in flight);
         returns its size in bytes. A write failure raises :class:`CheckpointWriteError`."""
         self.wait_checkpoint()
-        return self._write_checkpoint(state, self.config_sha256())
+        started = time.monotonic()
+        size = self._write_checkpoint(state, self.config_sha256())
+        self.last_checkpoint = (size, time.monotonic() - started)
+        return size
 
     def save_checkpoint_async(self, state: dict[str, Any]) -> None:
         """Write the checkpoint in the background: wait for the previous write (at most one in
@@ -337,10 +344,12 @@ class RunDir:
         snapshot, config = snapshot_state(state), self.config_sha256()
 
         def write() -> None:
+            started = time.monotonic()
             try:
-                self._write_result = (self._write_checkpoint(snapshot, config), None)
+                size = self._write_checkpoint(snapshot, config)
+                self._write_result = (size, time.monotonic() - started, None)
             except BaseException as e:  # handed to the main thread by wait_checkpoint
-                self._write_result = (0, e)
+                self._write_result = (0, 0.0, e)
 
         # not a daemon: an interpreter that exits while it writes waits for it
         self._writer = threading.Thread(target=write, name="hyperfed-checkpoint")
@@ -354,9 +363,10 @@ class RunDir:
             return None
         self._writer.join()
         self._writer = None
-        (size, error), self._write_result = self._write_result, (0, None)
+        (size, seconds, error), self._write_result = self._write_result, (0, 0.0, None)
         if error is not None:
             raise error
+        self.last_checkpoint = (size, seconds)
         return size
 
     def _write_checkpoint(self, state: dict[str, Any], config_sha256: str) -> int:
