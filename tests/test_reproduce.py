@@ -144,6 +144,39 @@ def test_plateau_is_the_last_tenth_of_rounds_against_the_tenth_before() -> None:
     assert plateau_gain(short[:1]) is None and not plateaued(None)
 
 
+def test_the_last_window_mean_is_the_plateau_windows_average_and_a_seed_table_column() -> None:
+    """400 rounds evaluated every 8: the last 10% is rounds 368-400, five evaluations (the
+    smoothed score session 34 read by hand for Table 6's swinging mu 0.1 row)."""
+    from hyperfed.report import last_windows, seed_table
+
+    accs = {368: 0.80, 376: 0.95, 384: 0.85, 392: 0.97, 400: 0.90, 360: 0.70}
+    records = [{"round": r, "mean_acc": accs.get(r, 0.5)} for r in range(8, 401, 8)]
+    now, before = last_windows(records)
+    assert now == pytest.approx([80.0, 95.0, 85.0, 97.0, 90.0])
+    assert before == pytest.approx([50.0, 50.0, 50.0, 50.0, 70.0])  # rounds 328-360
+
+    def summary(seed: int, final: float, window: float) -> dict[str, object]:
+        return {
+            "config": {"seed": seed, "algorithm": {"name": "a"}},
+            "scores": "personalized",
+            "final_mean_acc": final,
+            "window_mean_acc": window,
+            "final_weighted_acc": final,
+            "best_mean_acc": final,
+            "best_by": "test",
+            "up_mb_total": 0.0,
+            "gflops_per_round": 0.0,
+            "last_window_gain": 0.1,
+            "converged": True,
+        }
+
+    table = seed_table([{"label": "a", "runs": [summary(0, 0.90, 0.874), summary(1, 0.80, 0.858)]}])
+    header, _, row = table.splitlines()
+    cells = dict(zip(header.split("|")[1:-1], row.split("|")[1:-1]))
+    assert cells[" mean acc (final) "].strip() == "0.8500 ± 0.0500"
+    assert cells[" mean acc (last 10%) "].strip() == "0.8660 ± 0.0080"
+
+
 def test_every_target_names_registered_methods_and_an_existing_config() -> None:
     for target in TARGETS.values():
         assert set(target.methods) <= set(registry()), target.key
