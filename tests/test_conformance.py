@@ -184,6 +184,13 @@ def test_every_reply_is_accepted(run: Run) -> None:
         assert len(run.replies[record["round"]]) == record["participants"]
 
 
+def test_client_work_is_metered(run: Run) -> None:
+    """Every method trains on its clients, so every evaluated round meters client FLOPs (the
+    kept FedDM runs of before the meter fix recorded 0: its client work was all outside)."""
+    unmetered = [r["round"] for r in run.records if not r["flops_round"] > 0]
+    assert unmetered == [], f"{run.name} ({run.mix}): no client FLOPs in rounds {unmetered}"
+
+
 def _nonfinite(value: Any, path: str = "") -> list[str]:
     if isinstance(value, float):
         return [] if math.isfinite(value) else [path]
