@@ -324,10 +324,8 @@ class RunDir:
         """Write the checkpoint atomically, now (after a background write still in flight);
         returns its size in bytes. A write failure raises :class:`CheckpointWriteError`."""
         self.wait_checkpoint()
-        started = time.monotonic()
-        size = self._write_checkpoint(state, self.config_sha256())
-        self.last_checkpoint = (size, time.monotonic() - started)
-        return size
+        self.last_checkpoint = self._timed_write(state, self.config_sha256())
+        return self.last_checkpoint[0]
 
     def save_checkpoint_async(self, state: dict[str, Any]) -> None:
         """Write the checkpoint in the background: wait for the previous write (at most one in
@@ -344,10 +342,8 @@ class RunDir:
         snapshot, config = snapshot_state(state), self.config_sha256()
 
         def write() -> None:
-            started = time.monotonic()
             try:
-                size = self._write_checkpoint(snapshot, config)
-                self._write_result = (size, time.monotonic() - started, None)
+                self._write_result = (*self._timed_write(snapshot, config), None)
             except BaseException as e:  # handed to the main thread by wait_checkpoint
                 self._write_result = (0, 0.0, e)
 
@@ -368,6 +364,12 @@ class RunDir:
             raise error
         self.last_checkpoint = (size, seconds)
         return size
+
+    def _timed_write(self, state: dict[str, Any], config_sha256: str) -> tuple[int, float]:
+        """:meth:`_write_checkpoint`, with its size in bytes and the seconds it took."""
+        started = time.monotonic()
+        size = self._write_checkpoint(state, config_sha256)
+        return size, time.monotonic() - started
 
     def _write_checkpoint(self, state: dict[str, Any], config_sha256: str) -> int:
         """The write itself. torch.save streams into the file through a hash, and the header
