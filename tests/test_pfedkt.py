@@ -83,6 +83,28 @@ def test_table10_losses_are_finite_and_differentiable(distance, loss):
     assert torch.isfinite(con) and torch.isfinite(g).all()
 
 
+def test_table10_distances_and_losses_on_hand_made_logits():
+    """App. C / Table 10 by hand: 1 - cosine similarity, the L2 norm, MSE (its square), and
+    MOON's loss -log(e^{cos+/tau} / (e^{cos+/tau} + e^{cos-/tau})) with cosine similarity."""
+    a = torch.tensor([[1.0, 0.0], [3.0, 4.0]], dtype=torch.float64)
+    r = torch.tensor([[0.0, 1.0], [6.0, 8.0]], dtype=torch.float64)
+    # row 0: orthogonal, |a - r| = sqrt 2; row 1: parallel, |a - r| = 5
+    assert logit_distance(a, r, "cosine").tolist() == pytest.approx([1.0, 0.0])
+    assert logit_distance(a, r, "l2").tolist() == pytest.approx([2**0.5, 5.0])
+    assert logit_distance(a, r, "mse").tolist() == pytest.approx([2.0, 25.0])
+    # MOON with cosine: positive parallel to the anchor (cos 1), negative orthogonal (cos 0)
+    anchor = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    pos = torch.tensor([[2.0, 0.0]], dtype=torch.float64)
+    neg = torch.tensor([[0.0, 1.0]], dtype=torch.float64)
+    hp = PFedKTParams(loss="moon", distance="cosine", tau=0.5)
+    expected = -math.log(math.exp(1 / 0.5) / (math.exp(1 / 0.5) + math.exp(0 / 0.5)))
+    assert float(contrastive_loss(anchor, pos, neg, hp)) == pytest.approx(expected, rel=1e-12)
+    # l2 regularization with the L2 norm: the positive distance alone, averaged over the batch
+    hp = PFedKTParams(loss="l2reg", distance="l2")
+    got = float(contrastive_loss(a, r, torch.zeros_like(a), hp))
+    assert got == pytest.approx((2**0.5 + 5.0) / 2, rel=1e-12)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_hypernetwork_update_moves_generated_model_toward_trained(optimizer):
     torch.manual_seed(0)
