@@ -246,7 +246,10 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
     )
     if target is not None:  # seed 002 Fig. 5: what it costs to get there (bytes both ways)
         to = f"to {target:.0%}"
-        head += f" rounds {to} | upload MB {to} | MB up + down {to} | TFLOPs (clients) {to} |"
+        head += (
+            f" rounds {to} | upload MB {to} | MB up + down {to} | TFLOPs (clients) {to} "
+            f"| TFLOPs (server) {to} |"
+        )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         row = (
@@ -260,12 +263,13 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
         if target is not None:
             r = first_reaching(s["records"], target)
             if r is None:
-                row += " not reached | — | — | — |"
+                row += " not reached | — | — | — | — |"
             else:
                 up, down = r.get("bytes_up_total", 0), r.get("bytes_down_total", 0)
                 row += (
                     f" {r['round']} | {up / 1e6:.2f} | {(up + down) / 1e6:.2f} "
-                    f"| {r.get('flops_total', 0) / 1e12:.3f} |"
+                    f"| {r.get('flops_total', 0) / 1e12:.3f} "
+                    f"| {r.get('flops_server_total', 0) / 1e12:.3f} |"
                 )
         lines.append(row)
     return "\n".join(lines) + "\n"

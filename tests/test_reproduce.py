@@ -526,3 +526,45 @@ def test_tuned_prints_a_failed_line_for_each_crashed_trial(
     )
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == ["failed: tune/local/trial 1: RuntimeError: out of memory"]
+
+
+def test_report_target_columns_are_what_was_spent_until_the_first_round_reaching_it(
+    tmp_path: Path,
+) -> None:
+    """Seed 002 §6.1 / Fig. 5: parameters transmitted (up and down) and FLOPs consumed (the
+    clients' and the server's) until the mean accuracy first reaches the target."""
+    from hyperfed.report import markdown_table, run_summary
+
+    run = tmp_path / "run"
+    run.mkdir()
+    spent = [  # round, acc, bytes up, bytes down, client FLOPs, server FLOPs
+        (2, 0.60, 1e6, 4e6, 1e12, 2e11),
+        (4, 0.85, 3e6, 9e6, 5e12, 7e11),
+        (6, 0.80, 5e6, 15e6, 8e12, 9e11),
+    ]
+    lines = [
+        {
+            "round": r,
+            "mean_acc": acc,
+            "weighted_acc": acc,
+            "min_acc": acc,
+            "max_acc": acc,
+            "std_acc": 0.0,
+            "bytes_up_total": up,
+            "bytes_down_total": down,
+            "flops_total": cf,
+            "flops_server_total": sf,
+        }
+        for r, acc, up, down, cf, sf in spent
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    header, _, row = markdown_table([run_summary(run)], target=0.8).splitlines()
+    assert header.endswith(
+        "| rounds to 80% | upload MB to 80% | MB up + down to 80% "
+        "| TFLOPs (clients) to 80% | TFLOPs (server) to 80% |"
+    )
+    # round 4 is the first at or above 80% (round 6 reaches it too; the first one counts)
+    assert [c.strip() for c in row.split("|")[-6:-1]] == ["4", "3.00", "12.00", "5.000", "0.700"]
+    header, _, row = markdown_table([run_summary(run)], target=0.9).splitlines()
+    assert row.count("|") == header.count("|")
+    assert row.endswith(" not reached | — | — | — | — |")
