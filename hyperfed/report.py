@@ -244,7 +244,7 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
         "| std | best mean acc (round) | upload MB/client/round | upload MB total | GFLOPs/round "
         "(clients) | GFLOPs/round (server) |"
     )
-    if target is not None:  # seed 002 Fig. 5: what it costs to get there (bytes both ways)
+    if target is not None:  # seed 002 Fig. 5: the cost to get there (bytes and FLOPs, both sides)
         to = f"to {target:.0%}"
         head += (
             f" rounds {to} | upload MB {to} | MB up + down {to} | TFLOPs (clients) {to} "
