@@ -237,6 +237,11 @@ def plateau_cell(s: dict[str, Any]) -> str:
     return cell
 
 
+# what ``--target`` adds to each run's row, in order (the first reached round, then what was
+# spent until it)
+TARGET_COLUMNS = ("rounds", "upload MB", "MB up + down", "TFLOPs (clients)", "TFLOPs (server)")
+
+
 def markdown_table(summaries: list[dict[str, Any]], target: float | None = None) -> str:
     head = (
         "| run | algorithm | scores | plateau | dataset | clients | round | mean acc (final) "
@@ -245,11 +250,7 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
         "(clients) | GFLOPs/round (server) |"
     )
     if target is not None:  # seed 002 Fig. 5: the cost to get there (bytes and FLOPs, both sides)
-        to = f"to {target:.0%}"
-        head += (
-            f" rounds {to} | upload MB {to} | MB up + down {to} | TFLOPs (clients) {to} "
-            f"| TFLOPs (server) {to} |"
-        )
+        head += "".join(f" {name} to {target:.0%} |" for name in TARGET_COLUMNS)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in summaries:
         row = (
@@ -263,7 +264,7 @@ def markdown_table(summaries: list[dict[str, Any]], target: float | None = None)
         if target is not None:
             r = first_reaching(s["records"], target)
             if r is None:
-                row += " not reached | — | — | — | — |"
+                row += " not reached |" + " — |" * (len(TARGET_COLUMNS) - 1)
             else:
                 up, down = r.get("bytes_up_total", 0), r.get("bytes_down_total", 0)
                 row += (
